@@ -1,0 +1,139 @@
+"""Model arguments and the named flavors of the NSA transformer.
+
+Notation follows the NSA paper (arXiv 2502.11089, section 3):
+l = ``cmp_block`` (compression block length), d = ``cmp_stride``, l' = ``slc_block``,
+n = ``slc_top_n`` (selected blocks, forced ones included), w = ``window``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+BYTE_VOCAB_SIZE = 260  # 256 bytes + EOS/BOS/PAD/SEP (see nsa_titan.data.tokenizer)
+
+
+@dataclass
+class NSAModelArgs:
+    dim: int = 256
+    """Model (residual stream) width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Query heads (HQ)."""
+    n_kv_heads: int = 2
+    """Key/value heads per branch (HKV); the GQA group is G = n_heads / n_kv_heads."""
+    head_dim: int = 32
+    """Query/key head dimension d_k."""
+    v_head_dim: int | None = None
+    """Value head dimension d_v (None: same as head_dim). The paper uses d_k=192, d_v=128."""
+    vocab_size: int = BYTE_VOCAB_SIZE
+    """Embedding/output rows; must be >= the tokenizer's vocabulary."""
+    ffn_hidden_dim: int = 768
+    """SwiGLU hidden width."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    max_seq_len: int = 1024
+    """Longest sequence the RoPE table covers."""
+    cmp_block: int = 16
+    """l: tokens summarised by one compressed token."""
+    cmp_stride: int = 8
+    """d: distance between the starts of consecutive compression blocks (d divides l and l')."""
+    slc_block: int = 32
+    """l': selection block size."""
+    slc_top_n: int = 4
+    """n: selection blocks per (token, KV head), including block 0 and the two local blocks."""
+    window: int = 64
+    """w: sliding-window length (query t sees t-w+1 .. t)."""
+    compress: Literal["mlp", "mean"] = "mlp"
+    """phi: 'mlp' (paper: MLP over the block with an intra-block position embedding) or 'mean' pooling."""
+    shared_kv: bool = False
+    """One K/V projection shared by the three branches instead of one per branch."""
+    attn_impl: Literal["auto", "torch", "triton", "reference"] = "auto"
+    """'auto': Triton kernels on CUDA when nsa_titan.kernels provides them, else 'torch'; 'torch': the
+    vectorised portable path (compiles with fullgraph=True); 'triton': the kernels (CUDA, or CPU under
+    TRITON_INTERPRET=1 for tests); 'reference': the dense plain-PyTorch spec (slow, O(T^2) memory)."""
+    attn_type: Literal["nsa", "dense"] = "nsa"
+    """'nsa': native sparse attention; 'dense': plain causal attention (for comparisons)."""
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    def validate(self, seq_len: int | None = None) -> None:
+        """Raise ValueError naming the field and the fix for any inconsistent setting."""
+
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"model.{field}: {msg}")
+
+        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+                  "ffn_hidden_dim", "max_seq_len", "cmp_block", "cmp_stride", "slc_block",
+                  "slc_top_n", "window"):
+            if getattr(self, f) < 1:
+                raise bad(f, f"must be >= 1, got {getattr(self, f)}")
+        if self.n_heads % self.n_kv_heads:
+            raise bad("n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
+                      f"n_kv_heads={self.n_kv_heads}; choose a divisor of n_heads")
+        if self.head_dim % 2:
+            raise bad("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.cmp_block % self.cmp_stride:
+            raise bad("cmp_stride", f"d={self.cmp_stride} must divide l=cmp_block={self.cmp_block}")
+        if self.slc_block % self.cmp_stride:
+            raise bad("slc_block", f"l'={self.slc_block} must be a multiple of d=cmp_stride={self.cmp_stride}")
+        if self.slc_top_n < 3:
+            raise bad("slc_top_n", f"n={self.slc_top_n} must be >= 3: block 0 and the two local blocks "
+                      "are always selected and count towards n")
+        if self.compress not in ("mlp", "mean"):
+            raise bad("compress", f"unknown {self.compress!r}; choose 'mlp' or 'mean'")
+        if self.attn_impl not in ("auto", "torch", "triton", "reference"):
+            raise bad("attn_impl", f"unknown {self.attn_impl!r}; choose 'auto', 'torch', 'triton' or 'reference'")
+        if self.attn_type not in ("nsa", "dense"):
+            raise bad("attn_type", f"unknown {self.attn_type!r}; choose 'nsa' or 'dense'")
+        if seq_len is not None:
+            if seq_len > self.max_seq_len:
+                raise bad("max_seq_len", f"training.seq_len={seq_len} exceeds max_seq_len="
+                          f"{self.max_seq_len}; raise --model.max_seq_len or lower --training.seq_len")
+            if seq_len < 1:
+                raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+
+
+def _flavors() -> dict[str, NSAModelArgs]:
+    debug = NSAModelArgs()
+    m7c = NSAModelArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=2, head_dim=64, ffn_hidden_dim=2048,
+        max_seq_len=8192, cmp_block=32, cmp_stride=16, slc_block=64, slc_top_n=16, window=512,
+    )
+    # ~1B parameters with the paper's GQA group of 16 and head_dim 128, paper NSA sizes.
+    one_b = NSAModelArgs(
+        dim=2048, n_layers=16, n_heads=16, n_kv_heads=1, head_dim=128, ffn_hidden_dim=5632,
+        vocab_size=32000, max_seq_len=8192, cmp_block=32, cmp_stride=16, slc_block=64,
+        slc_top_n=16, window=512,
+    )
+    return {
+        "debug": debug,
+        "m7c": m7c,
+        "m7c_gpt2": dataclasses.replace(m7c, vocab_size=50304),  # GPT-2 vocab padded to 64
+        "1b": one_b,
+    }
+
+
+MODEL_FLAVORS: dict[str, NSAModelArgs] = _flavors()
+
+
+def get_model_args(flavor: str, **overrides) -> NSAModelArgs:
+    """A fresh copy of a flavor's arguments, with ``overrides`` (None values ignored) applied."""
+    if flavor not in MODEL_FLAVORS:
+        raise ValueError(f"model.flavor: unknown flavor {flavor!r}; valid flavors: "
+                         f"{', '.join(sorted(MODEL_FLAVORS))}")
+    names = {f.name for f in dataclasses.fields(NSAModelArgs)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"model: unknown field(s) {unknown}; valid fields: {sorted(names)}")
+    return dataclasses.replace(MODEL_FLAVORS[flavor], **{k: v for k, v in overrides.items() if v is not None})

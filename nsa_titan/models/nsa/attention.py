@@ -1,0 +1,154 @@
+"""The attention modules: projections, RoPE, compression phi, gates; the math is in reference/torch_impl."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa_titan.models.nsa import reference, torch_impl
+from nsa_titan.models.nsa.args import NSAModelArgs
+from nsa_titan.models.nsa.common import NSAParams
+
+NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_attention}
+
+
+# Resolved once at import: the forward must not import or try/except (it runs under torch.compile).
+try:
+    from nsa_titan.kernels import nsa_attention as _triton_nsa_attention
+
+    _TRITON_ERROR = None
+except ImportError as _e:  # triton missing, or no kernels for this platform
+    _triton_nsa_attention, _TRITON_ERROR = None, _e
+
+
+def resolve_impl(name: str, device: torch.device):
+    """Pick the attention function; 'auto' means the Triton kernels on CUDA when they import, else torch."""
+    if name == "triton":
+        if _triton_nsa_attention is None:
+            raise RuntimeError(f"model.attn_impl='triton' needs nsa_titan.kernels ({_TRITON_ERROR}); "
+                               "use --model.attn_impl torch")
+        return _triton_nsa_attention
+    if name == "auto":
+        use_triton = device.type == "cuda" and _triton_nsa_attention is not None
+        return _triton_nsa_attention if use_triton else NSA_IMPLS["torch"]
+    return NSA_IMPLS[name]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [B, T, H, D]; cos/sin [T, D/2] (fp32)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """phi: maps each block of l positions (stride d) of one head to a single key or value.
+
+    Keys reach phi already rotated by RoPE, so a compressed key carries its block's position the same way
+    the raw keys do. 'mlp' (the paper's choice) adds a learnable intra-block position embedding and runs
+    a two-layer MLP over the flattened block; 'mean' averages the block.
+    """
+
+    def __init__(self, head_dim: int, block: int, stride: int, kind: str):
+        super().__init__()
+        self.block, self.stride, self.kind = block, stride, kind
+        if kind == "mlp":
+            self.pos_emb = nn.Parameter(torch.empty(block, head_dim))
+            self.fc1 = nn.Linear(block * head_dim, head_dim, bias=False)
+            self.fc2 = nn.Linear(head_dim, head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h, d = x.shape
+        if t < self.block:
+            return x.new_zeros(b, 0, h, d)
+        blocks = x.unfold(1, self.block, self.stride)  # [B, Tc, H, D, l]
+        if self.kind == "mean":
+            return blocks.mean(dim=-1)
+        blocks = blocks.transpose(-1, -2) + self.pos_emb.to(x.dtype)  # [B, Tc, H, l, D]
+        return self.fc2(F.silu(self.fc1(blocks.flatten(-2))))
+
+    def init_weights(self) -> None:
+        if self.kind == "mlp":
+            nn.init.normal_(self.pos_emb, std=0.02)
+            # Scaled so that a compressed token starts with roughly the magnitude of one raw key.
+            nn.init.normal_(self.fc1.weight, std=self.fc1.in_features**-0.5)
+            nn.init.normal_(self.fc2.weight, std=self.fc2.in_features**-0.5)
+
+
+class NSAAttention(nn.Module):
+    """Native sparse attention: compressed, selected and sliding-window branches mixed by sigmoid gates."""
+
+    def __init__(self, args: NSAModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.head_dim, self.v_head_dim = args.head_dim, args.dv
+        self.n_kv_sets = 1 if args.shared_kv else 3
+        self.params = NSAParams.from_args(args)
+        self.impl_name = args.attn_impl
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        # One fused projection for all branches' K and V: one matmul instead of six.
+        self.wkv = nn.Linear(args.dim, self.n_kv_sets * args.n_kv_heads * (args.head_dim + args.dv), bias=False)
+        self.compress_k = Compressor(args.head_dim, args.cmp_block, args.cmp_stride, args.compress)
+        self.compress_v = Compressor(args.dv, args.cmp_block, args.cmp_stride, args.compress)
+        self.wgate = nn.Linear(args.dim, args.n_heads * 3, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
+
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), gates."""
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
+        kv = self.wkv(x).view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
+        k, v = kv.split([self.head_dim, self.v_head_dim], dim=-1)
+        k = apply_rope(k.flatten(2, 3), cos, sin).view_as(k)
+        ks, vs = k.unbind(2), v.unbind(2)
+        if self.n_kv_sets == 1:
+            ks, vs = ks * 3, vs * 3
+        k_cmp, v_cmp = self.compress_k(ks[0]), self.compress_v(vs[0])
+        gates = torch.sigmoid(self.wgate(x).float()).view(b, t, self.n_heads, 3)
+        return q, (k_cmp, v_cmp), (ks[1], vs[1]), (ks[2], vs[2]), gates
+
+    def forward(self, x, cos, sin, return_blocks: bool = False):
+        b, t, _ = x.shape
+        q, (kc, vc), (ks, vs), (kw, vw), gates = self.project(x, cos, sin)
+        impl = resolve_impl(self.impl_name, q.device)  # device type is static: resolved at trace time
+        out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params)
+        out = self.wo(out.to(x.dtype).reshape(b, t, self.n_heads * self.v_head_dim))
+        return (out, blocks) if return_blocks else out
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wkv, self.wgate):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        self.compress_k.init_weights()
+        self.compress_v.init_weights()
+
+
+class DenseAttention(nn.Module):
+    """Plain causal GQA attention with the same projections: the baseline NSA is compared against."""
+
+    def __init__(self, args: NSAModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.head_dim, self.v_head_dim = args.head_dim, args.dv
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wkv = nn.Linear(args.dim, args.n_kv_heads * (args.head_dim + args.dv), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
+        k, v = self.wkv(x).view(b, t, self.n_kv_heads, -1).split([self.head_dim, self.v_head_dim], dim=-1)
+        k = apply_rope(k, cos, sin)
+        # is_causal is safe here: queries and keys have the same length, so the mask is the usual one.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wkv):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)

@@ -1,0 +1,93 @@
+"""Llama-style transformer (RMSNorm, SwiGLU, RoPE) with NSA attention. Knows nothing of distribution."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa_titan.models.nsa.args import NSAModelArgs
+from nsa_titan.models.nsa.attention import DenseAttention, NSAAttention
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos/sin [max_seq_len, head_dim / 2] in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for lin in (self.w2, self.w3):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: NSAModelArgs):
+        super().__init__()
+        self.attention = NSAAttention(args) if args.attn_type == "nsa" else DenseAttention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Depth-scaled init of the residual projections keeps the stream's variance flat with depth.
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class NSATransformer(nn.Module):
+    def __init__(self, args: NSAModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by the layer index keeps parameter names stable when blocks are wrapped
+        # (FSDP, checkpointing) or pipelined.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        # Not persistent: they are recomputed by init_weights and never belong in a checkpoint.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialise every parameter and buffer in place: works after ``to_empty`` from meta."""
+        device = buffer_device or self.rope_cos.device
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+        nn.init.normal_(self.tok_embeddings.weight)
+        for block in self.layers.values():
+            block.init_weights()
+        self.norm.reset_parameters()
+        bound = 3 * self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] int64 -> logits [B, T, vocab]."""
+        t = tokens.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))

@@ -1,0 +1,118 @@
+"""Portable vectorised NSA (CPU and GPU): the default path until the Triton kernels take over on CUDA.
+
+Same semantics as ``reference.py`` (the spec), built for speed and for ``torch.compile(fullgraph=True)``:
+no Python loops over tokens, blocks or heads, no host syncs, every shape static. Differences from the
+reference are in construction only:
+- the overlap map is a closed-form interval intersection, not a membership product;
+- top-n is a stable descending sort (ties keep the lower index) instead of an all-pairs ranking;
+- selected and window attention run through ``scaled_dot_product_attention`` with boolean masks.
+Memory is still O(T^2) per KV head for the selection mask; the kernels issue removes that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nsa_titan.models.nsa.common import NSAParams
+
+
+def _heads_first(x: torch.Tensor, n_rep: int = 1) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H * n_rep, S, D] (query head h reads KV head h // n_rep)."""
+    x = x.transpose(1, 2)
+    return x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
+
+
+def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
+    """Returns (o_cmp [B, T, HQ, Dv], group-summed probabilities [B, HKV, T, Tc] (no grad))."""
+    b, t, hq, dk = q.shape
+    tc, hkv = k_cmp.shape[1], k_cmp.shape[2]
+    g = hq // hkv
+    if tc == 0:
+        return q.new_zeros(b, t, hq, v_cmp.shape[-1]), q.new_zeros(b, hkv, t, 0)
+    qg = q.reshape(b, t, hkv, g, dk).permute(0, 2, 3, 1, 4)  # [B, HKV, G, T, Dk]
+    kc = k_cmp.permute(0, 2, 3, 1)  # [B, HKV, Dk, Tc]
+    scores = torch.matmul(qg, kc.unsqueeze(2)).float() * dk**-0.5  # [B, HKV, G, T, Tc]
+    tpos = torch.arange(t, device=q.device)[:, None]
+    ipos = torch.arange(tc, device=q.device)[None, :]
+    visible = ipos * p.cmp_stride + p.cmp_block - 1 <= tpos  # [T, Tc]
+    # A finite fill keeps rows with nothing visible NaN-free (forward and backward); multiplying by the
+    # mask then zeroes them.
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1) * visible
+    out = torch.matmul(probs.to(v_cmp.dtype), v_cmp.transpose(1, 2).unsqueeze(2))  # [B, HKV, G, T, Dv]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, v_cmp.shape[-1])
+    return out, probs.detach().sum(dim=2)
+
+
+def overlap_weights(seq_len: int, p: NSAParams, device=None, dtype=torch.float32) -> torch.Tensor:
+    """[Tc, Nb]: |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d in closed form (small integers: exact in fp32)."""
+    i = torch.arange(p.num_cmp_tokens(seq_len), device=device)[:, None]
+    j = torch.arange(p.num_slc_blocks(seq_len), device=device)[None, :]
+    lo = torch.maximum(i * p.cmp_stride, j * p.slc_block)
+    hi = torch.minimum(i * p.cmp_stride + p.cmp_block, (j + 1) * p.slc_block)
+    return ((hi - lo).clamp(min=0) // p.cmp_stride).to(dtype)
+
+
+def select_blocks(group_probs, p: NSAParams) -> torch.Tensor:
+    """group_probs [B, HKV, T, Tc] -> block indices [B, HKV, T, n] (int64, -1 = unused slot)."""
+    t_len = group_probs.shape[2]
+    nb = p.num_slc_blocks(t_len)
+    # fp32 even under autocast: bf16 importances would create ties that the reference does not have.
+    with torch.autocast(group_probs.device.type, enabled=False):
+        importance = group_probs.float() @ overlap_weights(t_len, p, group_probs.device)
+    t = torch.arange(t_len, device=group_probs.device)[:, None]
+    j = torch.arange(nb, device=group_probs.device)[None, :]
+    current = t // p.slc_block
+    forced = (j == 0) | (j == current) | (j == current - 1)
+    key = torch.where(forced, float("inf"), importance)
+    key = torch.where(j * p.slc_block <= t, key, float("-inf"))
+    if nb < p.slc_top_n:  # pad so that the output always has n slots (static shape)
+        key = F.pad(key, (0, p.slc_top_n - nb), value=float("-inf"))
+    sorted_key, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    top_key, top_idx = sorted_key[..., : p.slc_top_n], order[..., : p.slc_top_n]
+    return torch.where(top_key > float("-inf"), top_idx, -1)
+
+
+def blocks_to_mask(block_idx, seq_len: int, p: NSAParams) -> torch.Tensor:
+    """[B, HKV, T, n] indices -> [B, HKV, T, Nb] bool (unused slots dropped)."""
+    nb = p.num_slc_blocks(seq_len)
+    onehot = torch.zeros(*block_idx.shape[:-1], nb + 1, dtype=torch.bool, device=block_idx.device)
+    # Unused slots (-1) land in the extra last column, which is then cut off.
+    onehot.scatter_(-1, torch.where(block_idx < 0, nb, block_idx), True)
+    return onehot[..., :nb]
+
+
+def selected_attention(q, k, v, block_idx, p: NSAParams):
+    b, t, hq, _ = q.shape
+    n_rep = hq // k.shape[2]
+    s = torch.arange(t, device=q.device)
+    chosen = blocks_to_mask(block_idx, t, p)  # [B, HKV, T, Nb]
+    mask = chosen[..., s // p.slc_block] & (s[None, :] <= s[:, None])  # [B, HKV, T, T]
+    mask = mask.repeat_interleave(n_rep, dim=1) if n_rep > 1 else mask
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), _heads_first(k, n_rep), _heads_first(v, n_rep), attn_mask=mask
+    )
+    return out.transpose(1, 2)
+
+
+def window_attention(q, k, v, window: int):
+    t, hq = q.shape[1], q.shape[2]
+    n_rep = hq // k.shape[2]
+    s = torch.arange(t, device=q.device)
+    mask = (s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window)  # [T, T], broadcast
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), _heads_first(k, n_rep), _heads_first(v, n_rep), attn_mask=mask
+    )
+    return out.transpose(1, 2)
+
+
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams):
+    """Same contract as reference.nsa_attention, but returns block indices [B, HKV, T, n] (-1 unused)."""
+    o_cmp, group_probs = compressed_attention(q, k_cmp, v_cmp, p)
+    block_idx = select_blocks(group_probs, p)
+    o_slc = selected_attention(q, k_slc, v_slc, block_idx, p)
+    o_win = window_attention(q, k_win, v_win, p.window)
+    g = gates.unsqueeze(-1).to(o_cmp.dtype)
+    out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc.to(o_cmp.dtype) + g[..., 2, :] * o_win.to(o_cmp.dtype)
+    return out, block_idx
