@@ -1,0 +1,329 @@
+"""Training metrics: console line, JSONL, TensorBoard; throughput, MFU, memory, GPU-busy share, ETA.
+
+Hot-path contract: ``step_start`` / ``step_end`` only enqueue device work (tensor adds, CUDA event records);
+every host sync (``.item()``, event synchronisation) happens inside ``log()`` / ``log_val()``, i.e. on log
+steps only.
+
+GPU-busy share = sum over the window's steps of (CUDA time between the step-start and step-end events) / host
+wall time of the window. It exposes GPU idle time *between* steps (data loading, host syncs, Python between
+steps, logging); idle gaps *inside* a step (kernel-launch overhead) are not visible to it - use a profiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+GIB = float(2**30)
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """Dense bf16 tensor-core peak FLOP/s by device name (None = unknown -> MFU reported as n/a)."""
+    n = name.upper()
+    if "H100" in n or "H200" in n:
+        return 756e12 if "PCIE" in n else 989e12  # SXM / HBM3(e) parts; the PCIe H100 is clocked lower
+    if "A100" in n:
+        return 312e12
+    return None
+
+
+def peak_flops_for_device(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None  # CPU MFU is not meaningful
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, float | None]:
+    """(peak allocated, peak reserved) on CUDA; (process peak RSS, None) elsewhere. No device sync."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+    return rss_bytes / GIB, None
+
+
+class BusyTimer(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def collect(self) -> float | None: ...  # busy seconds since last collect (None = not measured)
+
+
+class NullBusyTimer:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def collect(self) -> float | None:
+        return None
+
+
+class CudaBusyTimer:
+    """CUDA events around each step on the current stream; read back only in ``collect`` (a log step)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._start: torch.cuda.Event | None = None
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self._device))
+        return ev
+
+    def start(self) -> None:
+        self._start = self._record()
+
+    def stop(self) -> None:
+        if self._start is not None:
+            self._spans.append((self._start, self._record()))
+            self._start = None
+
+    def collect(self) -> float | None:
+        if not self._spans:
+            return 0.0
+        self._spans[-1][1].synchronize()  # host sync ok: log step
+        busy_ms = sum(s.elapsed_time(e) for s, e in self._spans)  # host sync ok: log step
+        self._spans.clear()
+        return busy_ms / 1000.0
+
+
+def _fmt_opt(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def format_train_line(r: dict[str, Any], total_steps: int) -> str:
+    mem = f"{r['peak_mem_gib']:.2f}" + ("" if r["peak_mem_reserved_gib"] is None else f"/{r['peak_mem_reserved_gib']:.2f}")
+    line = (
+        f"step {r['step']:>6d}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | gnorm {r['grad_norm']:.3f}"
+        f" | tok/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f}/gpu)"
+        f" | mfu {_fmt_opt(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}%"
+        f" | mem {mem} GiB | gpu-busy {_fmt_opt(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')}%"
+        f" | eta {datetime.timedelta(seconds=int(r['eta_s']))}"
+    )
+    if r["gpu_busy_warning"]:
+        line += f" | WARNING: GPU busy {100 * r['gpu_busy']:.0f}% < 90%: CPU-bound between steps (data/host syncs)"
+    return line
+
+
+class MetricsLogger:
+    """Accumulates per-step metrics on device; on log steps emits console + JSONL (+ TensorBoard).
+
+    ``clock``, ``busy_timer`` and ``print_fn`` are injectable so tests can simulate timings.
+    Only rank 0 writes/prints; other ranks keep no window state and never sync.
+    """
+
+    def __init__(
+        self,
+        metrics_cfg: Any,
+        *,
+        dump_folder: str | Path,
+        total_steps: int,
+        device: torch.device,
+        world_size: int = 1,
+        rank: int = 0,
+        flops_per_token: float | None = None,
+        peak_flops: float | None | str = "auto",
+        clock: Callable[[], float] = time.perf_counter,
+        busy_timer: BusyTimer | None = None,
+        print_fn: Callable[[str], None] | None = None,
+        busy_warn_threshold: float = 0.9,
+    ):
+        self.enabled = rank == 0
+        self.total_steps = int(total_steps)
+        self.log_freq = max(1, int(metrics_cfg.log_freq))
+        self.device = device
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops_for_device(device) if peak_flops == "auto" else peak_flops
+        self._clock = clock
+        self._print = print_fn or (lambda s: print(s, flush=True))
+        self.busy_warn_threshold = busy_warn_threshold
+        if busy_timer is None:
+            busy_timer = CudaBusyTimer(device) if (self.enabled and device.type == "cuda") else NullBusyTimer()
+        self._busy = busy_timer
+        self.records: list[dict[str, Any]] = []
+        self.val_records: list[dict[str, Any]] = []
+        self._t0: float | None = None
+        self._tokens_total = 0
+        self._reset_window(start=None)
+
+        self._jsonl = None
+        self._tb = None
+        if self.enabled:
+            folder = Path(dump_folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            if metrics_cfg.jsonl_file:
+                self.jsonl_path = folder / metrics_cfg.jsonl_file
+                self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self.jsonl_path, "w", buffering=1)  # line-buffered: readable while running
+            if metrics_cfg.enable_tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
+
+                    self._tb = SummaryWriter(log_dir=str(folder / "tb"))
+                except ImportError as e:
+                    self._print(f"WARNING: metrics.enable_tensorboard is set but TensorBoard is unavailable ({e}); "
+                                "logging to console/JSONL only")
+
+    # ---- hot path (no host syncs) ----
+    def _reset_window(self, start: float | None) -> None:
+        self._win_start = start
+        self._win_excluded = 0.0
+        self._win_steps = 0
+        self._win_tokens = 0
+        self._win_first_step = None
+        self._win_loss: torch.Tensor | None = None
+        self._win_gnorm: torch.Tensor | None = None
+
+    def step_start(self) -> None:
+        now = self._clock()
+        if self._t0 is None:
+            self._t0 = now
+        if self._win_start is None:
+            self._win_start = now
+        self._busy.start()
+
+    def step_end(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, num_tokens: int) -> None:
+        """loss / grad_norm: 0-d device tensors (not read here); num_tokens: this rank's input tokens."""
+        self._busy.stop()
+        self._tokens_total += num_tokens * self.world_size
+        if not self.enabled:
+            return
+        if self._win_first_step is None:
+            self._win_first_step = step
+        self._win_steps += 1
+        self._win_tokens += num_tokens
+        loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
+        self._win_loss = loss if self._win_loss is None else self._win_loss + loss
+        self._win_gnorm = grad_norm if self._win_gnorm is None else self._win_gnorm + grad_norm
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.log_freq == 0 or step == self.total_steps
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Exclude the enclosed time (validation, checkpointing) from the throughput window."""
+        t = self._clock()
+        try:
+            yield
+        finally:
+            if self._win_start is not None:
+                self._win_excluded += self._clock() - t
+
+    # ---- log steps (host syncs allowed) ----
+    def log(self, step: int, lr: float) -> dict[str, Any] | None:
+        """Mean loss / grad-norm over the steps since the last log; returns the record (rank 0) or None."""
+        if not self.enabled or self._win_steps == 0:
+            self._reset_window(start=self._clock())
+            return None
+        now = self._clock()
+        wall = max(now - self._win_start - self._win_excluded, 1e-9)
+        n = self._win_steps
+        loss = (self._win_loss / n).item()  # host sync ok: log step
+        grad_norm = (self._win_gnorm / n).item()  # host sync ok: log step
+        busy_s = self._busy.collect()
+        per_gpu = self._win_tokens / wall
+        mfu = None
+        if self.flops_per_token is not None and self.peak_flops:
+            mfu = self.flops_per_token * per_gpu / self.peak_flops
+        gpu_busy = None if busy_s is None else min(1.0, busy_s / wall)  # clamp: event/host clock offsets
+        mem, mem_reserved = peak_memory_gib(self.device)
+        step_time = wall / n
+        record = {
+            "type": "train",
+            "step": step,
+            "loss": loss,
+            "lr": float(lr),
+            "grad_norm": grad_norm,
+            "tokens": self._tokens_total,
+            "tokens_per_s": per_gpu * self.world_size,
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu,
+            "peak_mem_gib": mem,
+            "peak_mem_reserved_gib": mem_reserved,
+            "gpu_busy": gpu_busy,
+            # The window holding step 1 includes compilation / allocator warm-up: not a CPU-bound signal.
+            "gpu_busy_warning": bool(
+                gpu_busy is not None and gpu_busy < self.busy_warn_threshold and self._win_first_step != 1
+            ),
+            "step_time_s": step_time,
+            "eta_s": max(0, self.total_steps - step) * step_time,
+            "elapsed_s": now - self._t0,
+            "window_steps": n,
+            "window_s": wall,
+            "window_tokens": self._win_tokens * self.world_size,
+        }
+        self.records.append(record)
+        self._print(format_train_line(record, self.total_steps))
+        self._write(record)
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gib", "gpu_busy"):
+                if record[key] is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+        self._reset_window(start=self._clock())
+        return record
+
+    def log_val(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"type": "val", "step": step, **metrics}
+        self.val_records.append(record)
+        parts = [f"{k} {v:.4f}" for k, v in metrics.items()]
+        self._print(f"val  {step:>6d}/{self.total_steps} | " + " | ".join(parts))
+        self._write(record)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"val/{k}", v, step)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """Run aggregates; throughput/MFU/GPU-busy exclude the first log window (step 1: warm-up, compile)."""
+        recs = self.records
+        steady = recs[1:] or recs
+        wall = sum(r["window_s"] for r in steady)
+        tokens_per_s = sum(r["window_tokens"] for r in steady) / wall if wall > 0 else None
+        per_gpu = None if tokens_per_s is None else tokens_per_s / self.world_size
+        mfu = None
+        if per_gpu is not None and self.flops_per_token is not None and self.peak_flops:
+            mfu = self.flops_per_token * per_gpu / self.peak_flops
+        busy = [r for r in steady if r["gpu_busy"] is not None]
+        gpu_busy = sum(r["gpu_busy"] * r["window_s"] for r in busy) / sum(r["window_s"] for r in busy) if busy else None
+        finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
+        return {
+            "initial_loss": recs[0]["loss"] if recs else None,
+            "final_loss": recs[-1]["loss"] if recs else None,
+            "min_loss": min(finite) if finite else None,
+            "steps": recs[-1]["step"] if recs else 0,
+            "tokens": self._tokens_total,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu,
+            "gpu_busy": gpu_busy,
+            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs), default=None),
+            "peak_mem_reserved_gib": recs[-1]["peak_mem_reserved_gib"] if recs else None,
+            "elapsed_s": recs[-1]["elapsed_s"] if recs else None,
+            "final_val": self.val_records[-1] if self.val_records else None,
+        }
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,75 @@
+"""AdamW with decoupled weight-decay groups.
+
+Weight decay is applied only to matrices (ndim >= 2) that are not embeddings: decaying norms, biases and
+embedding rows hurts LMs (embedding rows of rare tokens get shrunk towards zero between their rare updates).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_OPTIMIZERS = ("adamw",)
+
+
+def _embedding_param_ids(model: nn.Module) -> set[int]:
+    # By module type, not by name: names differ between models, wrappers (compile, FSDP) prefix them.
+    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+
+
+def split_decay_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(decay, no_decay) lists of (name, param); shared (tied) params appear once; frozen params are skipped."""
+    embed_ids = _embedding_param_ids(model)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # named_parameters() de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        if p.ndim >= 2 and id(p) not in embed_ids:
+            decay.append((name, p))
+        else:
+            no_decay.append((name, p))
+    return decay, no_decay
+
+
+def resolve_fused(fused: Any, device_type: str) -> bool:
+    """True -> fused AdamW kernel. Only on CUDA: elsewhere the foreach (multi-tensor) path is used."""
+    if isinstance(fused, str):
+        key = fused.strip().lower()
+        if key == "auto":
+            fused = True
+        elif key in ("true", "1", "yes"):
+            fused = True
+        elif key in ("false", "0", "no"):
+            fused = False
+        else:
+            raise ValueError(f"optimizer.fused must be 'auto', true or false, got {fused!r}")
+    if not isinstance(fused, bool):
+        raise ValueError(f"optimizer.fused must be 'auto', true or false, got {fused!r}")
+    return fused and device_type == "cuda"
+
+
+def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str) -> torch.optim.AdamW:
+    name = str(opt_cfg.name).lower()
+    if name not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer.name {opt_cfg.name!r}; supported: {', '.join(SUPPORTED_OPTIMIZERS)} "
+            "(set --optimizer.name adamw)"
+        )
+    betas = tuple(float(b) for b in opt_cfg.betas)
+    if len(betas) != 2:
+        raise ValueError(f"optimizer.betas must have 2 values, got {list(opt_cfg.betas)}")
+    if opt_cfg.fused is True and device_type != "cuda":
+        warnings.warn(f"optimizer.fused=true ignored on device type {device_type!r}; using foreach AdamW")
+    fused = resolve_fused(opt_cfg.fused, device_type)
+
+    decay, no_decay = split_decay_params(model)
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": float(opt_cfg.weight_decay)},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]  # AdamW rejects empty groups
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=float(opt_cfg.lr), betas=betas, eps=float(opt_cfg.eps), **kwargs)

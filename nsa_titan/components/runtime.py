@@ -1,0 +1,80 @@
+"""Process-level setup for training: torchrun world, device, seeding, autocast, environment facts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env(environ: Mapping[str, str] | None = None) -> World:
+    """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE (defaults 0 / 0 / 1 for a plain `python -m`)."""
+    env = os.environ if environ is None else environ
+    try:
+        world = World(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+    except ValueError as e:
+        raise ValueError(f"malformed torchrun environment (RANK/LOCAL_RANK/WORLD_SIZE): {e}") from None
+    if world.world_size < 1 or not 0 <= world.rank < world.world_size:
+        raise ValueError(f"invalid torchrun world: {world}")
+    return world
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    spec = str(spec).lower()
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("training.device = 'cuda' but no CUDA device is available; use --training.device auto")
+        return torch.device(f"cuda:{local_rank}")
+    if spec == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"training.device must be 'auto', 'cpu' or 'cuda', got {spec!r}")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def autocast_context(device: torch.device, mixed_precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (params stay fp32 = master weights); CPU always runs plain fp32."""
+    if mixed_precision not in ("bf16", "fp32"):
+        raise ValueError(f"training.mixed_precision must be 'bf16' or 'fp32', got {mixed_precision!r}")
+    if device.type == "cuda" and mixed_precision == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def software_versions() -> dict[str, str | None]:
+    try:
+        import triton  # noqa: PLC0415 - optional, absent on CPU-only installs
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version}

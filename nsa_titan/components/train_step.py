@@ -1,0 +1,120 @@
+"""One optimizer step with token-normalised gradient accumulation, and the validation pass.
+
+Loss normalisation: the step loss is sum(token CE) / (target tokens of the WHOLE step), so every target
+token weighs the same no matter how the real (non-ignored) tokens are spread over micro-batches. Averaging
+per-micro-batch means instead would over-weight micro-batches with few targets.
+(Data parallelism, issue 3: the token count must also be summed over ranks and the loss scaled by the world
+size to undo the gradient averaging of DP.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+Batch = dict[str, torch.Tensor]
+
+
+def move_batch(batch: Batch, device: torch.device) -> Batch:
+    # non_blocking only overlaps when the loader pins memory; harmless otherwise.
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def count_target_tokens(micro_batches: Iterable[Batch]) -> torch.Tensor:
+    """Number of non-ignored labels, as a device tensor (no host sync)."""
+    counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
+    return torch.stack(counts).sum()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (bf16 log-softmax over a large vocab loses precision)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def forward_backward(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> torch.Tensor:
+    """Accumulate gradients of the token-normalised step loss; returns the detached step loss (device)."""
+    # clamp: a step whose labels are all ignored gives zero gradient instead of NaN.
+    n_tokens = count_target_tokens(micro_batches).clamp(min=1).float()
+    total = None
+    for mb in micro_batches:
+        with autocast():
+            logits = model(mb["input"])
+        loss = token_loss_sum(logits, mb["labels"]) / n_tokens
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def clip_grads(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total grad norm as a device tensor; clips only when max_norm > 0 (no host sync either way)."""
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: Sequence[Batch],
+    *,
+    params: Sequence[nn.Parameter],
+    max_norm: float,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = forward_backward(model, micro_batches, autocast)
+    grad_norm = clip_grads(params, max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    device: torch.device,
+    *,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    retrieval_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict[str, float]:
+    """Token-weighted validation loss (and retrieval accuracy) over fixed batches. Runs on val steps only."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    n_tokens = torch.zeros((), device=device, dtype=torch.long)
+    correct = torch.zeros((), device=device)
+    total = torch.zeros((), device=device)
+    try:
+        for batch in batches:
+            batch = move_batch(batch, device)
+            with autocast():
+                logits = model(batch["input"])
+            loss_sum += token_loss_sum(logits, batch["labels"])
+            n_tokens += count_target_tokens([batch])
+            if retrieval_fn is not None:
+                c, t = retrieval_fn(logits, batch["labels"])
+                correct += c
+                total += t
+    finally:
+        model.train(was_training)
+    val_loss = (loss_sum / n_tokens.clamp(min=1)).item()  # host sync ok: log step
+    out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    if retrieval_fn is not None:
+        out["retrieval_acc"] = (correct / total.clamp(min=1)).item()  # host sync ok: log step
+        out["retrieval_n"] = float(total.item())  # host sync ok: log step
+    return out

@@ -1,0 +1,333 @@
+"""Tests of nsa_titan.components (optimizer, LR schedule, metrics, train step) on tiny stand-in models."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
+from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
+from nsa_titan.components.runtime import World, world_from_env
+from nsa_titan.components.train_step import IGNORE_INDEX, evaluate, forward_backward, train_step
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=11, dim=8, tie=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim, bias=True)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.proj(self.norm(self.emb(x)))))
+
+
+def opt_cfg(**kw):
+    base = dict(name="adamw", lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, fused="auto")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def sched_cfg(**kw):
+    base = dict(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1, wsd_decay_ratio=0.2)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def metrics_cfg(**kw):
+    base = dict(log_freq=2, jsonl_file="metrics.jsonl", enable_tensorboard=False, val_freq=0, val_steps=1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+# ---------------- optimizer ----------------
+def test_decay_groups_exclude_embeddings_norms_biases():
+    decay, no_decay = split_decay_params(Tiny())
+    assert sorted(n for n, _ in decay) == ["out.weight", "proj.weight"]
+    assert sorted(n for n, _ in no_decay) == ["emb.weight", "norm.bias", "norm.weight", "proj.bias"]
+
+    opt = build_optimizer(Tiny(), opt_cfg(), "cpu")
+    wds = sorted((g["weight_decay"], len(g["params"])) for g in opt.param_groups)
+    assert wds == [(0.0, 4), (0.1, 2)]
+
+
+def test_tied_embedding_is_not_decayed_and_counted_once():
+    decay, no_decay = split_decay_params(Tiny(tie=True))
+    assert [n for n, _ in decay] == ["proj.weight"]
+    assert sum(p.numel() for _, p in decay + no_decay) == sum(p.numel() for p in Tiny(tie=True).parameters())
+
+
+def test_fused_choice():
+    assert resolve_fused("auto", "cuda") is True
+    assert resolve_fused(True, "cuda") is True
+    assert resolve_fused("auto", "cpu") is False
+    assert resolve_fused(True, "cpu") is False
+    assert resolve_fused(False, "cuda") is False
+    with pytest.raises(ValueError, match="optimizer.fused"):
+        resolve_fused("sometimes", "cuda")
+
+    opt = build_optimizer(Tiny(), opt_cfg(), "cpu")
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    # torch also has a CPU fused AdamW, so the CUDA branch can be exercised here.
+    opt = build_optimizer(Tiny(), opt_cfg(), "cuda")
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_unknown_optimizer_name():
+    with pytest.raises(ValueError, match="unknown optimizer.name 'sgd'.*adamw"):
+        build_optimizer(Tiny(), opt_cfg(name="sgd"), "cpu")
+
+
+# ---------------- LR schedule ----------------
+def factors(decay_type, total=100, **kw):
+    cfg = sched_cfg(decay_type=decay_type, **kw)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, total)
+    out = []
+    for _ in range(total):
+        out.append(opt.param_groups[0]["lr"] / 2.0)
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd", "constant"])
+def test_schedule_warmup_peak_end(decay_type):
+    f = factors(decay_type)
+    assert f[0] == pytest.approx(0.1)  # first step is not lr = 0
+    assert f[4] == pytest.approx(0.5)
+    assert f[9] == pytest.approx(1.0)  # peak at the end of warmup
+    assert f[10] == pytest.approx(1.0)
+    assert max(f) == pytest.approx(1.0)
+    assert f[-1] == pytest.approx(1.0 if decay_type == "constant" else 0.1)  # floor on the last step
+    assert all(a <= b + 1e-12 for a, b in zip(f[:10], f[1:10]))  # warmup is monotone
+
+
+def test_cosine_and_linear_midpoints():
+    # decay covers steps 10..99 (90 steps); progress 0.5 at step 10 + 44.5
+    cos, lin = factors("cosine"), factors("linear")
+    assert lin[10 + 45] == pytest.approx(0.1 + 0.9 * (1 - 45 / 89))
+    assert cos[10 + 45] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))
+    assert cos[30] > lin[30]  # cosine stays high longer
+
+
+def test_wsd_shape():
+    f = factors("wsd", total=100, wsd_decay_ratio=0.2)
+    assert all(x == pytest.approx(1.0) for x in f[9:80])  # stable phase
+    decay = f[80:]
+    assert len(decay) == 20
+    diffs = [a - b for a, b in zip(decay, decay[1:])]
+    assert all(d == pytest.approx(0.9 / 19) for d in diffs)  # linear
+    assert decay[-1] == pytest.approx(0.1)
+
+
+def test_schedule_validation_and_state_dict():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match=r"warmup_steps \(20\) exceeds training.steps \(10\)"):
+        build_lr_scheduler(opt, sched_cfg(warmup_steps=20), 10)
+    with pytest.raises(ValueError, match="decay_type"):
+        build_lr_scheduler(opt, sched_cfg(decay_type="step"), 10)
+    sched = build_lr_scheduler(opt, sched_cfg(warmup_steps=0), 10)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert sched.state_dict()["last_epoch"] == 3
+    assert lr_factor(0, warmup_steps=0, total_steps=10, decay_type="linear", min_lr_ratio=0.0, wsd_decay_ratio=0.2) == 1.0
+
+
+# ---------------- metrics ----------------
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeBusy:
+    """Reports a fixed busy fraction of each simulated step."""
+
+    def __init__(self, clock, fraction):
+        self.clock, self.fraction, self.busy, self._t = clock, fraction, 0.0, None
+
+    def start(self):
+        self._t = self.clock()
+
+    def stop(self):
+        self.busy += (self.clock() - self._t) * self.fraction
+
+    def collect(self):
+        b, self.busy = self.busy, 0.0
+        return b
+
+
+def run_logger(tmp_path, busy_fraction, steps=6, lines=None):
+    clock = FakeClock()
+    logger = MetricsLogger(
+        metrics_cfg(), dump_folder=tmp_path, total_steps=steps, device=torch.device("cpu"), world_size=2,
+        flops_per_token=1e9, peak_flops=1e12, clock=clock, busy_timer=FakeBusy(clock, busy_fraction),
+        print_fn=(lines.append if lines is not None else lambda s: None),
+    )
+    for step in range(1, steps + 1):
+        logger.step_start()
+        clock.t += 0.5  # each step: 0.5 s, 1000 tokens on this rank, loss = step
+        logger.step_end(step, torch.tensor(float(step)), torch.tensor(2.0), 1000)
+        if logger.should_log(step):
+            logger.log(step, lr=1e-3)
+    logger.close()
+    return logger
+
+
+def test_metrics_jsonl_keys_and_values(tmp_path):
+    lines = []
+    logger = run_logger(tmp_path, busy_fraction=1.0, lines=lines)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 4, 6]
+    expected = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_gib",
+                "peak_mem_reserved_gib", "gpu_busy", "gpu_busy_warning", "eta_s", "tokens", "elapsed_s"}
+    assert expected <= set(recs[0])
+    r = recs[2]  # window = steps 3, 4
+    assert r["loss"] == pytest.approx(3.5)  # mean over the window
+    assert r["grad_norm"] == pytest.approx(2.0)
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(2000.0)
+    assert r["tokens_per_s"] == pytest.approx(4000.0)
+    assert r["mfu"] == pytest.approx(1e9 * 2000 / 1e12)
+    assert r["eta_s"] == pytest.approx(2 * 0.5)
+    assert r["tokens"] == 4 * 1000 * 2
+    assert r["peak_mem_gib"] > 0  # CPU: process RSS
+    assert not r["gpu_busy_warning"] and r["gpu_busy"] == pytest.approx(1.0)
+    assert len(lines) == 4 and "WARNING" not in "".join(lines) and "step      4/6" in lines[2]
+    s = logger.summary()
+    assert s["initial_loss"] == 1.0 and s["final_loss"] == pytest.approx(5.5)
+    assert s["tokens_per_s"] == pytest.approx(4000.0)
+
+
+def test_gpu_busy_warning_when_cpu_bound(tmp_path):
+    lines = []
+    run_logger(tmp_path, busy_fraction=0.6, lines=lines)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["gpu_busy"] for r in recs] == pytest.approx([0.6] * 4)
+    # step-1 window (compile / warm-up) never warns; later windows do
+    assert [r["gpu_busy_warning"] for r in recs] == [False, True, True, True]
+    assert "WARNING" not in lines[0] and "CPU-bound" in lines[1]
+
+
+def test_metrics_hot_path_has_no_host_sync(tmp_path, monkeypatch):
+    clock = FakeClock()
+    logger = MetricsLogger(metrics_cfg(log_freq=100), dump_folder=tmp_path, total_steps=100,
+                           device=torch.device("cpu"), clock=clock, print_fn=lambda s: None)
+
+    def boom(*a, **k):
+        raise AssertionError("host sync outside a log step")
+
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    for step in range(2, 5):
+        logger.step_start()
+        logger.step_end(step, torch.tensor(1.0), torch.tensor(1.0), 10)
+    monkeypatch.undo()
+    assert logger.log(4, lr=0.1)["loss"] == 1.0
+
+
+def test_tensorboard_missing_warns_once(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "torch.utils.tensorboard":
+            raise ImportError("no tensorboard")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    lines = []
+    MetricsLogger(metrics_cfg(enable_tensorboard=True), dump_folder=tmp_path, total_steps=1,
+                  device=torch.device("cpu"), print_fn=lines.append)
+    assert len(lines) == 1 and "TensorBoard" in lines[0]
+
+
+def test_peak_flops_table():
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for_name("NVIDIA H200") == 989e12
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for_name("NVIDIA GeForce RTX 3090") is None
+
+
+# ---------------- train step ----------------
+def make_batch(tokens, n_real):
+    """[1, T] batch whose first n_real labels are real targets, the rest ignored."""
+    x = torch.tensor([tokens])
+    labels = torch.roll(x, -1, dims=1).clone()
+    labels[0, n_real:] = IGNORE_INDEX
+    return {"input": x, "labels": labels}
+
+
+def grads_of(model, micro_batches):
+    model.zero_grad(set_to_none=True)
+    loss = forward_backward(model, micro_batches)
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+def test_grad_accumulation_is_token_normalised():
+    torch.manual_seed(0)
+    model = Tiny()
+    a = make_batch([1, 2, 3, 4, 5, 6, 7, 8], n_real=7)
+    b = make_batch([9, 8, 7, 6, 5, 4, 3, 2], n_real=2)  # unequal real-token counts (7 vs 2)
+    joint = {k: torch.cat([a[k], b[k]]) for k in a}
+    loss_ga, g_ga = grads_of(model, [a, b])
+    loss_one, g_one = grads_of(model, [joint])
+    assert loss_ga == pytest.approx(loss_one.item(), rel=1e-6)
+    for x, y in zip(g_ga, g_one):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    # The naive mean of per-micro-batch means differs, so this test can tell the two apart.
+    _, g_a = grads_of(model, [a])
+    _, g_b = grads_of(model, [b])
+    assert not torch.allclose((g_a[0] + g_b[0]) / 2, g_one[0], atol=1e-6)
+
+
+def test_train_step_clips_and_steps():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = build_optimizer(model, opt_cfg(lr=0.1), "cpu")
+    sched = build_lr_scheduler(opt, sched_cfg(warmup_steps=2), 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = make_batch([1, 2, 3, 4, 5, 6], n_real=5)
+    params = list(model.parameters())
+    loss, gnorm = train_step(model, opt, sched, [batch], params=params, max_norm=1e-3)
+    assert gnorm.item() > 1e-3  # the returned norm is the pre-clip norm
+    assert all(p.grad is None for p in params)  # zero_grad(set_to_none=True)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # scheduler advanced: warmup step 2 of 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert loss.item() > 0
+
+
+def test_evaluate_matches_manual_loss():
+    torch.manual_seed(0)
+    model = Tiny().train()
+    batches = [make_batch([1, 2, 3, 4], 3), make_batch([5, 6, 7, 8], 1)]
+    calls = []
+
+    def retrieval(logits, labels):
+        calls.append(1)
+        return torch.tensor(1.0), torch.tensor(2.0)
+
+    out = evaluate(model, batches, torch.device("cpu"), retrieval_fn=retrieval)
+    with torch.no_grad():
+        logits = torch.cat([model(b["input"]) for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        ref = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    assert out["val_loss"] == pytest.approx(ref.item(), rel=1e-6)
+    assert out["retrieval_acc"] == pytest.approx(0.5) and len(calls) == 2
+    assert model.training  # mode restored
+
+
+def test_world_from_env():
+    assert world_from_env({}) == World(0, 0, 1)
+    assert world_from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == World(3, 1, 4)
+    with pytest.raises(ValueError):
+        world_from_env({"RANK": "4", "WORLD_SIZE": "4"})
