@@ -1,0 +1,292 @@
+"""The training job's configuration: one dataclass per TOML section, composed into ``JobConfig``.
+
+Each field's docstring sits directly below it; ``--help`` reads them back from this source, so they
+are the user-facing documentation. To add a section, write a dataclass here (with an optional
+``validate()``) and add a field for it to ``JobConfig``; the loader in ``manager.py`` is generic.
+
+    from nsa_titan.config import load_job_config
+    cfg = load_job_config(["--config", "train_configs/debug_model.toml", "--training.steps", "10"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nsa_titan.config.manager import ConfigError, config_to_dict, did_you_mean, parse_config
+
+
+def _check(ok: bool, name: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {problem}")
+
+
+@dataclass
+class Job:
+    """Where outputs go and what this run is."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes (metrics JSONL, TensorBoard events, ...)."""
+    description: str = ""
+    """Free-text description of the run, logged at start-up."""
+    config_file: str | None = None
+    """TOML file the config was loaded from (set by --config FILE; alias --job.config_file FILE)."""
+
+    def validate(self) -> None:
+        _check(bool(self.dump_folder), "job.dump_folder", "must not be empty; e.g. --job.dump_folder ./outputs")
+
+
+@dataclass
+class Model:
+    """Which model: a named flavor plus optional overrides of its NSAModelArgs fields."""
+
+    flavor: str = "debug"
+    """Named NSAModelArgs preset from nsa_titan.models.MODEL_FLAVORS (debug, m7c, m7c_gpt2, 1b)."""
+    attn_impl: Literal["auto", "torch", "triton", "reference"] | None = None
+    """Attention implementation: 'auto' (Triton kernels on CUDA when available, else 'torch'), 'torch'
+    (vectorised portable path), 'triton' (the kernels) or 'reference' (dense spec, slow). None: flavor's."""
+    attn_type: Literal["nsa", "dense"] | None = None
+    """'nsa' (native sparse attention) or 'dense' (plain causal attention baseline). None: flavor's."""
+    compress: Literal["mlp", "mean"] | None = None
+    """Compression function phi: 'mlp' (paper) or 'mean' pooling. None: flavor's."""
+    shared_kv: bool | None = None
+    """Share one K/V projection across the three NSA branches. None: flavor's."""
+    vocab_size: int | None = None
+    """Embedding rows; must be >= the tokenizer's vocabulary. None: flavor's."""
+    n_layers: int | None = None
+    """Number of transformer blocks. None: flavor's."""
+    dim: int | None = None
+    """Model width. None: flavor's."""
+    n_heads: int | None = None
+    """Query heads. None: flavor's."""
+    n_kv_heads: int | None = None
+    """Key/value heads (n_heads must be a multiple). None: flavor's."""
+    head_dim: int | None = None
+    """Query/key head dimension (even, for RoPE). None: flavor's."""
+    ffn_hidden_dim: int | None = None
+    """SwiGLU hidden width. None: flavor's."""
+    max_seq_len: int | None = None
+    """Longest sequence the RoPE table covers (>= training.seq_len). None: flavor's."""
+    cmp_block: int | None = None
+    """l: tokens summarised by one compressed token. None: flavor's."""
+    cmp_stride: int | None = None
+    """d: stride between compression blocks (divides cmp_block and slc_block). None: flavor's."""
+    slc_block: int | None = None
+    """l': selection block size. None: flavor's."""
+    slc_top_n: int | None = None
+    """n: selected blocks per token and KV head (>= 3, forced blocks included). None: flavor's."""
+    window: int | None = None
+    """w: sliding-window length. None: flavor's."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The NSAModelArgs fields set here (not None), for ``get_model_args(flavor, **overrides)``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "flavor" and getattr(self, f.name) is not None}
+
+    def validate(self) -> None:
+        # Imported here, not at module level: the config (and --help) must work without importing torch.
+        from nsa_titan.models import MODEL_FLAVORS
+
+        if self.flavor not in MODEL_FLAVORS:
+            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}{did_you_mean(self.flavor, MODEL_FLAVORS)}; "
+                              f"valid flavors: {', '.join(MODEL_FLAVORS)}")
+        for name, value in self.overrides().items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}; "
+                       f"pass a positive value or drop --model.{name} to keep the flavor's")
+
+
+@dataclass
+class Training:
+    """Batch shape, length of the run, precision and device."""
+
+    seq_len: int = 1024
+    """Tokens per training sequence (must not exceed the model's max_seq_len)."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = local_batch_size x this x ranks)."""
+    steps: int = 300
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient clipping: maximum global L2 norm of the gradients."""
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    """'bf16': bf16 autocast with fp32 master weights; 'fp32': everything fp32. Ignored on CPU (fp32)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto': cuda when available, else cpu."""
+    seed: int = 42
+    """Random seed (parameter init, data order, synthetic data)."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower; for debugging and reproducibility tests)."""
+
+    def validate(self) -> None:
+        for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
+            value = getattr(self, name)
+            _check(value >= 1, f"training.{name}", f"must be >= 1, got {value}; pass a positive --training.{name}")
+        _check(self.max_norm > 0 and math.isfinite(self.max_norm), "training.max_norm",
+               f"must be a positive finite number, got {self.max_norm}; e.g. --training.max_norm 1.0")
+        _check(self.seed >= 0, "training.seed", f"must be >= 0, got {self.seed}")
+
+
+@dataclass
+class Optimizer:
+    """Optimizer settings."""
+
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; only 'adamw' for now."""
+    lr: float = 3e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2); on the command line: 0.9,0.95 or [0.9, 0.95]."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    fused: Literal["auto"] | bool = "auto"
+    """Fused AdamW kernel: 'auto' (on for CUDA), true or false."""
+
+    def validate(self) -> None:
+        _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr",
+               f"must be a positive finite number, got {self.lr}; e.g. --optimizer.lr 3e-4")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optimizer.betas",
+               f"needs two values in [0, 1), got {self.betas}; e.g. --optimizer.betas 0.9,0.95")
+        _check(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}; e.g. --optimizer.eps 1e-8")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule: linear warmup, then decay to lr x min_lr_ratio at the last step."""
+
+    warmup_steps: int = 20
+    """Steps of linear warmup from ~0 to optimizer.lr."""
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Shape after warmup; 'wsd' = warmup-stable-decay: constant, then linear decay over the last steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+    wsd_decay_ratio: float = 0.2
+    """For 'wsd': fraction of the post-warmup steps spent decaying."""
+
+    def validate(self) -> None:
+        _check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        for name in ("min_lr_ratio", "wsd_decay_ratio"):
+            value = getattr(self, name)
+            _check(0 <= value <= 1, f"lr_scheduler.{name}", f"must be in [0, 1], got {value}")
+
+
+@dataclass
+class Data:
+    """Training data: corpus, tokenizer, validation split and the synthetic retrieval task."""
+
+    dataset: Literal["stdlib", "retrieval", "text_files", "hf"] = "stdlib"
+    """'stdlib': the Python standard library's own source files (no network); 'retrieval': synthetic
+    key-value retrieval sequences only; 'text_files': files under data.path; 'hf': a Hugging Face
+    dataset named by data.path (needs the `datasets` package)."""
+    path: str | None = None
+    """Folder/glob for 'text_files', dataset name for 'hf'; unused by 'stdlib' and 'retrieval'."""
+    tokenizer: str = "byte"
+    """'byte' (256 bytes + 4 specials, no download) or the path of a Hugging Face tokenizer.json."""
+    hf_split: str = "train"
+    """Split of the 'hf' dataset."""
+    hf_text_field: str = "text"
+    """Column holding the text in the 'hf' dataset."""
+    val_fraction: float = 0.01
+    """Fraction of the corpus held out for validation, in [0, 1)."""
+    retrieval_num_pairs: int = 16
+    """Retrieval task: key-value pairs listed in each sample before the query."""
+    retrieval_key_len: int = 4
+    """Retrieval task: tokens per key."""
+    retrieval_value_len: int = 4
+    """Retrieval task: tokens per value."""
+    retrieval_mix: float = 0.0
+    """Fraction of training sequences that are retrieval samples when the dataset is a text corpus
+    (dataset 'retrieval' is all retrieval)."""
+
+    def validate(self) -> None:
+        if self.dataset in ("text_files", "hf"):
+            _check(bool(self.path), "data.path", f"is required for data.dataset={self.dataset!r}; "
+                   "pass --data.path (a folder/glob of text files, or a dataset name)")
+        _check(bool(self.tokenizer), "data.tokenizer", "must not be empty; use 'byte' or a tokenizer.json path")
+        _check(0 <= self.val_fraction < 1, "data.val_fraction",
+               f"must be in [0, 1), got {self.val_fraction}; e.g. --data.val_fraction 0.01")
+        for name in ("retrieval_num_pairs", "retrieval_key_len", "retrieval_value_len"):
+            value = getattr(self, name)
+            _check(value >= 1, f"data.{name}", f"must be >= 1, got {value}")
+        _check(0 <= self.retrieval_mix <= 1, "data.retrieval_mix", f"must be in [0, 1], got {self.retrieval_mix}")
+
+
+@dataclass
+class Metrics:
+    """Logging and evaluation cadence."""
+
+    log_freq: int = 10
+    """Log training metrics every this many steps."""
+    jsonl_file: str = "metrics.jsonl"
+    """JSON-lines metrics file, relative to job.dump_folder."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard events (needs the `tensorboard` package)."""
+    val_freq: int = 0
+    """Evaluate on the held-out split every this many steps (0: never)."""
+    val_steps: int = 8
+    """Batches per evaluation."""
+
+    def validate(self) -> None:
+        _check(self.log_freq >= 1, "metrics.log_freq", f"must be >= 1, got {self.log_freq}")
+        _check(bool(self.jsonl_file), "metrics.jsonl_file", "must not be empty; e.g. metrics.jsonl")
+        _check(self.val_freq >= 0, "metrics.val_freq", f"must be >= 0 (0 turns validation off), got {self.val_freq}")
+        _check(self.val_steps >= 1, "metrics.val_steps", f"must be >= 1, got {self.val_steps}")
+
+
+@dataclass
+class Compile:
+    """torch.compile of the model."""
+
+    enable: bool = False
+    """Compile the model with torch.compile."""
+    fullgraph: bool = True
+    """torch.compile(fullgraph=True): fail loudly on graph breaks instead of silently running eagerly."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one field per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+    compile: Compile = field(default_factory=Compile)
+
+    def validate(self) -> None:
+        """Each section's own checks, then the ones that span sections."""
+        for f in dataclasses.fields(self):
+            section_validate = getattr(getattr(self, f.name), "validate", None)
+            if section_validate is not None:
+                section_validate()
+        # The model's own consistency rules (divisibility, seq_len <= max_seq_len) live with the model.
+        from nsa_titan.models import get_model_args
+
+        try:
+            get_model_args(self.model.flavor, **self.model.overrides()).validate(self.training.seq_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def load_job_config(argv: list[str] | None = None) -> JobConfig:
+    """Defaults < ``--config FILE`` (TOML) < ``--section.key value`` overrides; validated.
+
+    ``argv`` defaults to ``sys.argv[1:]``. ``--help`` and ``--print-config`` print and exit 0.
+    Raises :class:`ConfigError` (a ValueError) naming the key and the fix for any bad setting.
+    """
+    return parse_config(JobConfig, sys.argv[1:] if argv is None else list(argv))
+
+
+def job_config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """``{section: {key: value}}`` for logging (JSON-serialisable)."""
+    return config_to_dict(cfg)
