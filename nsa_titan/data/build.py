@@ -1,0 +1,110 @@
+"""``build_dataloader``: turn the ``[data]`` config section into a StatefulLoader.
+
+The config is taken by duck typing (getattr with defaults) so this package does not
+import the config module, and tests can pass a SimpleNamespace.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .corpus import hf_documents, stdlib_documents, text_file_documents, tokenize_documents
+from .loader import PackedTextDataset, StatefulLoader, StreamingPackedDataset
+from .retrieval import RetrievalTask
+
+__all__ = ["DATASETS", "DATA_DEFAULTS", "build_dataloader"]
+
+DATASETS = ("stdlib", "retrieval", "text_files", "hf")
+
+# Used only for fields a config object lacks; the [data] dataclass is the real source of defaults.
+DATA_DEFAULTS = {
+    "dataset": "stdlib",
+    "path": None,
+    "tokenizer": "byte",
+    "hf_split": "train",
+    "hf_text_field": "text",
+    "val_fraction": 0.01,
+    "retrieval_num_pairs": 16,
+    "retrieval_key_len": 4,
+    "retrieval_value_len": 4,
+    "retrieval_mix": 0.0,
+}
+
+
+def _cfg(data_cfg, name):
+    return getattr(data_cfg, name, DATA_DEFAULTS[name])
+
+
+def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int, rank: int = 0,
+                     world_size: int = 1, seed: int = 42, split: str = "train",
+                     vocab_size: int | None = None, pin_memory: bool | None = None) -> StatefulLoader:
+    """Loader for this rank's shard of ``split`` ("train" or "val").
+
+    Both splits are infinite: train reshuffles documents every epoch; val is read in a
+    fixed order and cycles (call ``loader.reset()`` or build a fresh loader to evaluate
+    the same batches each time). ``vocab_size`` (the model's) is checked against the
+    tokenizer when given. Corpus text is read and tokenized here, once, and kept by the
+    returned loader.
+    """
+    dataset = _cfg(data_cfg, "dataset")
+    if dataset not in DATASETS:
+        raise ValueError(f"data.dataset: unknown dataset {dataset!r}; valid choices are {list(DATASETS)}")
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"training.seq_len must be an int >= 2 (one input and one target token at least), got {seq_len!r}")
+    if not isinstance(local_batch_size, int) or local_batch_size < 1:
+        raise ValueError(f"training.local_batch_size must be an int >= 1, got {local_batch_size!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be \"train\" or \"val\", got {split!r}")
+    val_fraction = float(_cfg(data_cfg, "val_fraction"))
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction!r}")
+    mix = float(_cfg(data_cfg, "retrieval_mix"))
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"data.retrieval_mix must be a fraction in [0, 1], got {mix!r}")
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"data.tokenizer has vocab_size {tokenizer.vocab_size} but model.vocab_size is {vocab_size}: "
+            f"token ids would index past the embedding; set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    path = _cfg(data_cfg, "path")
+    if dataset in ("text_files", "hf") and not path:
+        raise ValueError(f"data.path is required for data.dataset={dataset!r}; set it to the text to train on")
+
+    text = None
+    filler = None
+    if dataset == "stdlib":
+        corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
+    elif dataset == "text_files" or (dataset == "retrieval" and path):
+        corpus = tokenize_documents(text_file_documents(path, split, val_fraction), tokenizer)
+    else:
+        corpus = None
+    if dataset == "hf":
+        factory = functools.partial(_hf_epoch_docs, path, _cfg(data_cfg, "hf_split"),
+                                    _cfg(data_cfg, "hf_text_field"), split, val_fraction, seed)
+        text = StreamingPackedDataset(factory, tokenizer, seq_len, rank=rank, world_size=world_size)
+    elif dataset != "retrieval":
+        text = PackedTextDataset(corpus, seq_len, rank=rank, world_size=world_size, seed=seed,
+                                 shuffle=(split == "train"))
+    if corpus is not None:
+        filler = corpus.tokens  # retrieval filler is real text when we have it
+
+    retrieval = None
+    if dataset == "retrieval" or mix > 0.0:
+        retrieval = RetrievalTask(
+            tokenizer, seq_len,
+            num_pairs=int(_cfg(data_cfg, "retrieval_num_pairs")),
+            key_len=int(_cfg(data_cfg, "retrieval_key_len")),
+            value_len=int(_cfg(data_cfg, "retrieval_value_len")),
+            seed=seed, stream=1 if split == "val" else 0,
+            filler_tokens=filler, filler_eos_id=None if corpus is None else corpus.eos_id,
+        )
+        retrieval.sample(0)  # fail now, not mid-training, if the layout cannot fit seq_len
+    return StatefulLoader(text, retrieval, seq_len=seq_len, batch_size=local_batch_size, retrieval_mix=mix,
+                          seed=seed, rank=rank, world_size=world_size, split=split, pin_memory=pin_memory)
+
+
+def _hf_epoch_docs(path, hf_split, text_field, split, val_fraction, seed, epoch):
+    return hf_documents(path, hf_split=hf_split, text_field=text_field, split=split,
+                        val_fraction=val_fraction, seed=seed, epoch=epoch)

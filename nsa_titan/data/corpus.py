@@ -1,0 +1,219 @@
+"""Document sources and in-memory tokenized corpora.
+
+The default corpus is the Python standard library's own source: it exists on every
+machine with Python, needs no network, and is ~30 MB of real text, enough to train
+and validate small models. Each source returns documents as ``bytes`` for one split.
+
+Train/val split is decided per document by a stable hash (zlib.crc32 of the relative
+path, or of the first 4 KiB of the text for streamed HF data), so it never depends on file-system
+listing order or on ``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+__all__ = [
+    "TEXT_EXTENSIONS",
+    "TokenCorpus",
+    "hf_documents",
+    "in_split",
+    "stdlib_documents",
+    "text_file_documents",
+    "tokenize_documents",
+]
+
+# Extensions picked up when data.path is a directory.
+TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".rs", ".go", ".js", ".ts",
+                   ".java", ".tex", ".html", ".css", ".toml", ".yaml", ".yml", ".json", ".jsonl", ".csv")
+_HASH_BUCKETS = 1_000_000
+_HF_INSTALL_HINT = "pip install nsa_titan[hf]"
+
+
+def in_split(key: str, split: str, val_fraction: float) -> bool:
+    """Stable train/val assignment of one document by its key."""
+    is_val = zlib.crc32(key.encode("utf-8")) % _HASH_BUCKETS < val_fraction * _HASH_BUCKETS
+    return is_val if split == "val" else not is_val
+
+
+def _check_split(split: str, val_fraction: float) -> None:
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be \"train\" or \"val\", got {split!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction!r}")
+    if split == "val" and val_fraction == 0.0:
+        raise ValueError("split=\"val\" needs data.val_fraction > 0 (e.g. 0.01); it is 0, so there is no held-out text")
+
+
+def _read_utf8(path: str) -> bytes | None:
+    """File bytes, or None when unreadable or not valid UTF-8 (a few stdlib test files are latin-1)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return data
+
+
+def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
+    """All UTF-8 ``*.py`` files of this interpreter's standard library, sorted by relative path."""
+    _check_split(split, val_fraction)
+    root = sysconfig.get_paths()["stdlib"]
+    rels: list[str] = []
+    # os.walk is several times faster than Path.rglob here; prune site-packages so the
+    # corpus does not depend on which third-party packages happen to be installed.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        for name in filenames:
+            if name.endswith(".py"):
+                rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
+    rels.sort()
+    docs = []
+    for rel in rels:
+        if in_split(rel, split, val_fraction):
+            data = _read_utf8(os.path.join(root, rel))
+            if data:
+                docs.append(data)
+    if not docs:
+        raise ValueError(f"data.dataset=\"stdlib\": no UTF-8 .py files found under {root!r} for split={split!r}")
+    return docs
+
+
+def _list_text_files(path: str) -> list[str]:
+    if any(c in path for c in "*?["):
+        return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        out = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+            out.extend(os.path.join(dirpath, n) for n in filenames if n.lower().endswith(TEXT_EXTENSIONS))
+        return sorted(out)
+    raise ValueError(f"data.path: {path!r} does not exist; set data.path to a text file, a directory or a glob")
+
+
+def text_file_documents(path: str, split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
+    """Documents from a directory (recursive, TEXT_EXTENSIONS), a glob, or a single file.
+
+    Several files are split by a hash of their path relative to ``path``. A single file
+    cannot be split that way, so its last ``val_fraction`` of bytes (cut at a newline)
+    is the val split and the rest is train.
+    """
+    _check_split(split, val_fraction)
+    if not path:
+        raise ValueError("data.path is required for data.dataset=\"text_files\"; set it to a file, directory or glob")
+    files = _list_text_files(path)
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    if len(files) == 1:
+        data = _read_utf8(files[0]) or b""
+        cut = len(data) - int(len(data) * val_fraction)
+        nl = data.rfind(b"\n", 0, cut)
+        cut = nl + 1 if nl > 0 else cut
+        part = data[cut:] if split == "val" else data[:cut]
+        docs = [part] if part else []
+    else:
+        docs = []
+        for f in files:
+            if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction):
+                data = _read_utf8(f)
+                if data:
+                    docs.append(data)
+    if not docs:
+        raise ValueError(
+            f"data.path: no UTF-8 text found in {path!r} for split={split!r} ({len(files)} candidate files); "
+            f"point data.path at text files ({', '.join(TEXT_EXTENSIONS[:4])}, ...) or lower/raise data.val_fraction"
+        )
+    return docs
+
+
+def hf_documents(path: str, *, hf_split: str = "train", text_field: str = "text", split: str = "train",
+                 val_fraction: float = 0.01, seed: int = 0, epoch: int = 0) -> Iterator[bytes]:
+    """Stream documents from HF ``datasets`` (hub name, local directory or local data file).
+
+    Train/val is decided by a hash of the example's text, so both splits can come from a
+    dataset that only has a "train" split. For the train split the
+    stream is shuffled per epoch (buffered shuffle, seeded by ``seed + epoch``).
+    """
+    _check_split(split, val_fraction)
+    if not path:
+        raise ValueError("data.path is required for data.dataset=\"hf\"; set it to a hub name or local files")
+    try:
+        import datasets  # lazy: heavy optional dependency
+    except ImportError as e:
+        raise ImportError(f"data.dataset=\"hf\" needs the `datasets` package; install it with `{_HF_INSTALL_HINT}`") from e
+    builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path) and ext in builders:
+        ds = datasets.load_dataset(builders[ext], data_files=path, split=hf_split, streaming=True)
+    else:
+        ds = datasets.load_dataset(path, split=hf_split, streaming=True)
+    if split == "train" and hasattr(ds, "shuffle"):
+        ds = ds.shuffle(seed=seed + epoch, buffer_size=10_000)
+    # Everything above runs at call time (not lazily in a generator) so a missing package
+    # or dataset fails when the loader is built rather than at the first batch.
+    return _iter_hf_text(ds, text_field, split, val_fraction)
+
+
+def _iter_hf_text(ds, text_field: str, split: str, val_fraction: float) -> Iterator[bytes]:
+    for example in ds:
+        if text_field not in example:
+            raise ValueError(f"data.hf_text_field: examples have no field {text_field!r}; fields are {sorted(example)}")
+        text = example[text_field]
+        # Hash the text, not the stream position: after the per-epoch shuffle a position
+        # holds a different example, which would leak val documents into training.
+        if text and in_split(text[:4096], split, val_fraction):
+            yield text.encode("utf-8")
+
+
+@dataclass
+class TokenCorpus:
+    """Documents tokenized into one flat array, each document followed by EOS.
+
+    ``tokens[doc_starts[d] : doc_starts[d] + doc_lens[d]]`` is document d *including* its
+    trailing EOS, so any permutation of documents packs into a stream with EOS between them.
+    """
+
+    tokens: np.ndarray  # uint16 when the vocab fits (halves memory), else int32
+    doc_starts: np.ndarray  # int64 [num_docs]
+    doc_lens: np.ndarray  # int64 [num_docs], includes the EOS
+    eos_id: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc_starts.shape[0])
+
+
+def tokenize_documents(docs: Iterable[bytes], tokenizer) -> TokenCorpus:
+    """Tokenize all documents into a TokenCorpus; rejects ids outside the tokenizer's vocab."""
+    docs = [d for d in docs if d]
+    if not docs:
+        raise ValueError("no non-empty documents to tokenize; check data.dataset / data.path")
+    encoded = tokenizer.encode_batch(docs)
+    lens = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    starts = np.zeros_like(lens)
+    np.cumsum(lens[:-1], out=starts[1:])
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
+    tokens = np.empty(int(lens.sum()), dtype=dtype)
+    for s, e in zip(starts.tolist(), encoded):  # one slice copy per document, not per token
+        tokens[s:s + len(e)] = e
+        tokens[s + len(e)] = tokenizer.eos_id
+    top = int(tokens.max())
+    if top >= tokenizer.vocab_size or min(int(tokens.min()), 0) < 0:
+        raise ValueError(
+            f"data.tokenizer: produced id {top} outside its vocab_size {tokenizer.vocab_size}; "
+            "use a tokenizer.json whose vocab covers all its ids (added tokens included)"
+        )
+    return TokenCorpus(tokens=tokens, doc_starts=starts, doc_lens=lens, eos_id=int(tokenizer.eos_id))

@@ -1,0 +1,363 @@
+"""Tests of nsa_titan.data: tokenizers, corpora, packing, sharding, resume, retrieval."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_titan.data import (
+    ByteTokenizer,
+    HFTokenizer,
+    PackedTextDataset,
+    RetrievalTask,
+    build_dataloader,
+    build_tokenizer,
+    retrieval_accuracy,
+    stdlib_documents,
+    text_file_documents,
+    tokenize_documents,
+)
+from nsa_titan.data.retrieval import QUERY_MARKER
+
+TOK = ByteTokenizer()
+
+
+def cfg(**kw):
+    base = dict(dataset="stdlib", path=None, tokenizer="byte", hf_split="train", hf_text_field="text",
+                val_fraction=0.1, retrieval_num_pairs=4, retrieval_key_len=3, retrieval_value_len=3,
+                retrieval_mix=0.0)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """40 files with unique contents (so split membership can be read back from text)."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(40):
+        body = "".join(f"file {i:02d} line {j} éß\n" for j in range(5 + i % 7))
+        (d / f"doc{i:02d}.txt").write_text(body, encoding="utf-8")
+    (d / "ignored.bin").write_bytes(b"\x00\x01")
+    return d
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def test_byte_roundtrip_non_ascii():
+    s = "héllo wörld — 日本語 🚀\n"
+    ids = TOK.encode(s)
+    assert len(ids) == len(s.encode("utf-8")) and max(ids) < 256
+    assert TOK.decode(ids) == s
+    assert TOK.encode_bytes(s.encode("utf-8")).tolist() == ids
+    assert TOK.vocab_size == 260 and (TOK.eos_id, TOK.bos_id, TOK.pad_id, TOK.sep_id) == (256, 257, 258, 259)
+
+
+def test_byte_decode_specials_and_invalid():
+    ids = [TOK.BOS] + TOK.encode("ab") + [TOK.SEP, 0xFF, TOK.EOS]
+    assert TOK.decode(ids) == "<bos>ab<sep>\ufffd<eos>"
+    assert TOK.decode(ids, skip_special=True) == "ab\ufffd"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        TOK.decode([300])
+
+
+def test_build_tokenizer_errors(tmp_path):
+    assert isinstance(build_tokenizer("byte"), ByteTokenizer)
+    with pytest.raises(ValueError, match=r'"byte".*\.json'):
+        build_tokenizer("gpt2")
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="nope.json"):
+        build_tokenizer(missing)
+
+
+def test_hf_tokenizer_missing_package(tmp_path, monkeypatch):
+    f = tmp_path / "tok.json"
+    f.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` raise
+    with pytest.raises(ImportError, match=r"pip install nsa_titan\[hf\]"):
+        build_tokenizer(str(f))
+
+
+def _word_tokenizer(path, with_eos=True):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "file": 3}
+    if with_eos:
+        vocab["<|endoftext|>"] = 4
+    t = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    t.save(str(path))
+    return str(path)
+
+
+def test_hf_tokenizer_roundtrip_and_eos(tmp_path):
+    tok = build_tokenizer(_word_tokenizer(tmp_path / "t.json"))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == 5 and tok.eos_id == 4 and tok.bos_id == 4
+    assert tok.encode("hello world") == [1, 2]
+    assert tok.decode([1, 2]) == "hello world"
+    with pytest.raises(ValueError, match="eos_token"):
+        build_tokenizer(_word_tokenizer(tmp_path / "noeos.json", with_eos=False))
+
+
+def test_hf_tokenizer_drives_loader(tmp_path, text_dir):
+    tok = build_tokenizer(_word_tokenizer(tmp_path / "t.json"))
+    b = next(build_dataloader(cfg(dataset="text_files", path=str(text_dir)), tok, seq_len=16, local_batch_size=2))
+    assert b["input"].shape == (2, 16) and int(b["input"].max()) < tok.vocab_size
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        build_dataloader(cfg(), TOK, seq_len=16, local_batch_size=2, vocab_size=tok.vocab_size)
+
+
+# ---------------------------------------------------------------- corpora
+
+def test_stdlib_corpus_split_disjoint_and_covering():
+    train = stdlib_documents("train", 0.05)
+    val = stdlib_documents("val", 0.05)
+    everything = stdlib_documents("train", 0.0)
+    assert len(train) > 500 and len(val) > 10
+    assert len(train) + len(val) == len(everything)
+    assert sum(map(len, train)) + sum(map(len, val)) == sum(map(len, everything))
+    assert all(isinstance(d, bytes) for d in val)
+    assert stdlib_documents("val", 0.05) == val  # deterministic order and membership
+
+
+def test_text_files_split_disjoint(text_dir):
+    train = text_file_documents(str(text_dir), "train", 0.25)
+    val = text_file_documents(str(text_dir), "val", 0.25)
+    assert val and train and not set(train) & set(val)
+    assert len(train) + len(val) == 40  # the .bin file is not a text file
+    one = text_dir / "doc00.txt"
+    tr, va = text_file_documents(str(one), "train", 0.3), text_file_documents(str(one), "val", 0.3)
+    assert tr[0] + va[0] == one.read_bytes()
+
+
+def test_val_loader_reads_only_val_docs(text_dir):
+    c = cfg(dataset="text_files", path=str(text_dir), val_fraction=0.25)
+    val_names = {d.split(b" line")[0] for d in text_file_documents(str(text_dir), "val", 0.25)}
+    train_names = {d.split(b" line")[0] for d in text_file_documents(str(text_dir), "train", 0.25)}
+    for split, mine, other in (("val", val_names, train_names), ("train", train_names, val_names)):
+        loader = build_dataloader(c, TOK, seq_len=64, local_batch_size=4, split=split)
+        seen = set()
+        for b in take(loader, 10):
+            text = TOK.decode(b["input"].flatten().tolist(), skip_special=True).encode()
+            seen |= {n for n in mine | other if n in text}
+        assert seen and seen <= mine
+
+
+# ---------------------------------------------------------------- packing / sharding
+
+def _small_corpus(n_docs=30):
+    docs = [bytes([65 + i % 26]) * (3 + (7 * i) % 23) for i in range(n_docs)]
+    return docs, tokenize_documents(docs, TOK)
+
+
+def test_packing_eos_between_docs_and_chunks():
+    docs, corpus = _small_corpus()
+    ds = PackedTextDataset(corpus, seq_len=15, seed=3)
+    stream = ds.epoch_stream(0)
+    assert len(stream) == sum(len(d) + 1 for d in docs)
+    pieces = bytes(stream.clip(max=255).astype(np.uint8)).split(b"\xff")[:-1]  # EOS (256) -> 0xff
+    assert (stream == TOK.eos_id).sum() == len(docs) and stream[-1] == TOK.eos_id
+    assert sorted(pieces) == sorted(docs)  # each document intact, EOS after every one
+    assert pieces != docs  # order is shuffled
+    ids = np.arange(ds.num_chunks)
+    chunks = ds.stream_chunks(0, ids)
+    assert chunks.shape == (ds.num_chunks, 16)
+    assert np.array_equal(chunks.reshape(-1), stream[:ds.num_chunks * 16])
+
+
+def test_loader_batches_shifted_labels(text_dir):
+    loader = build_dataloader(cfg(dataset="text_files", path=str(text_dir)), TOK, seq_len=32, local_batch_size=3)
+    b = next(loader)
+    assert b["input"].dtype == torch.int64 and b["labels"].dtype == torch.int64
+    assert b["input"].shape == b["labels"].shape == (3, 32)
+    assert torch.equal(b["labels"][:, :-1], b["input"][:, 1:])
+    assert not b["is_retrieval"].any() and (b["labels"] != -100).all()
+    chunk = torch.cat([b["input"], b["labels"][:, -1:]], 1).numpy()
+    stream = loader.text.epoch_stream(0)
+    for row, i in zip(chunk, loader.text.chunk_ids(0, np.arange(3))):
+        assert np.array_equal(row, stream[i * 33:(i + 1) * 33])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_sharding_disjoint_and_covering(world):
+    _, corpus = _small_corpus(60)
+    full = PackedTextDataset(corpus, seq_len=7, seed=5)
+    per_rank = [PackedTextDataset(corpus, seq_len=7, rank=r, world_size=world, seed=5) for r in range(world)]
+    n = per_rank[0].chunks_per_rank
+    ids = [set(ds.chunk_ids(0, np.arange(n)).tolist()) for ds in per_rank]
+    for r, s in enumerate(ids):
+        assert len(s) == n and all(i % world == r for i in s)
+    assert set().union(*ids) == set(range(n * world))
+    assert sum(map(len, ids)) == n * world  # disjoint
+    # Content: the union of the ranks' chunks is the world-size-1 stream's chunks.
+    got = sorted(bytes(c.astype(np.uint8)) for ds in per_rank for c in ds.samples(np.arange(n)) % 256)
+    want = sorted(bytes(c.astype(np.uint8)) for c in full.stream_chunks(0, np.arange(n * world)) % 256)
+    assert got == want
+
+
+def test_determinism_and_seed_difference(text_dir):
+    c = cfg(dataset="text_files", path=str(text_dir), retrieval_mix=0.3)
+    kw = dict(seq_len=96, local_batch_size=4)
+    a = take(build_dataloader(c, TOK, seed=1, **kw), 4)
+    b = take(build_dataloader(c, TOK, seed=1, **kw), 4)
+    d = take(build_dataloader(c, TOK, seed=2, **kw), 4)
+    for x, y in zip(a, b):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert any(not torch.equal(x["input"], y["input"]) for x, y in zip(a, d))
+    ds = build_dataloader(c, TOK, seed=1, **kw).text
+    assert not np.array_equal(ds.epoch_stream(0), ds.epoch_stream(1))  # reshuffled per epoch
+
+
+def test_exact_resume(text_dir):
+    c = cfg(dataset="text_files", path=str(text_dir), retrieval_mix=0.3)
+    kw = dict(seq_len=64, local_batch_size=6, rank=1, world_size=2, seed=7)
+    orig = build_dataloader(c, TOK, **kw)
+    assert orig.text.chunks_per_rank < 8 * 6  # the 8 batches cross an epoch boundary
+    take(orig, 5)
+    state = orig.state_dict()
+    expected = take(orig, 3)
+    fresh = build_dataloader(c, TOK, **kw)
+    fresh.load_state_dict(state)
+    got = take(fresh, 3)
+    assert any(b["is_retrieval"].any() for b in got) and any((~b["is_retrieval"]).any() for b in got)
+    for x, y in zip(expected, got):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    other = build_dataloader(c, TOK, **{**kw, "rank": 0})
+    with pytest.raises(ValueError, match="rank"):
+        other.load_state_dict(state)
+
+
+# ---------------------------------------------------------------- retrieval
+
+def _parse_retrieval(tokens):
+    text = TOK.decode(tokens.tolist())
+    head, query = text.split(QUERY_MARKER)
+    pairs = dict(p.split("<sep>") for p in head.removeprefix("<bos>").split("\n")[0].split(" ; "))
+    key, value = query.removesuffix("<eos>").split("<sep>")
+    return pairs, key, value
+
+
+def test_retrieval_sample_layout():
+    task = RetrievalTask(TOK, seq_len=200, num_pairs=6, key_len=3, value_len=5, seed=11)
+    tokens, mask = task.sample(4)
+    assert tokens.shape == (201,) and mask.shape == (201,)
+    assert tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id
+    pairs, key, value = _parse_retrieval(tokens)
+    assert len(pairs) == 6 and pairs[key] == value and len(value) == 5
+    assert np.array_equal(tokens[mask], np.frombuffer(value.encode(), np.uint8))
+    assert np.flatnonzero(mask).tolist() == list(range(195, 200))  # right before EOS
+    assert np.array_equal(task.sample(4)[0], tokens)  # deterministic per index
+    assert not np.array_equal(task.sample(5)[0], tokens)
+
+
+def test_retrieval_loader_labels(text_dir):
+    loader = build_dataloader(cfg(dataset="retrieval", path=str(text_dir), retrieval_num_pairs=5), TOK,
+                              seq_len=128, local_batch_size=3)
+    b = next(loader)
+    assert b["is_retrieval"].all() and b["input"].shape == (3, 128)
+    for inp, lab in zip(b["input"], b["labels"]):
+        keep = lab != -100
+        assert keep.sum() == 3 and torch.equal(lab[:-1][~keep[:-1]], torch.full_like(lab[:-1][~keep[:-1]], -100))
+        pairs, key, value = _parse_retrieval(torch.cat([inp, torch.tensor([TOK.eos_id])]).numpy())
+        assert bytes(lab[keep].tolist()).decode() == value == pairs[key]
+        assert "file" in TOK.decode(inp.tolist())  # filler comes from the corpus
+    with pytest.raises(ValueError, match="retrieval_num_pairs"):
+        build_dataloader(cfg(dataset="retrieval", retrieval_num_pairs=50), TOK, seq_len=64, local_batch_size=1)
+
+
+def test_retrieval_accuracy_hand_made():
+    labels = torch.full((3, 4), -100)
+    labels[0, 2:] = torch.tensor([5, 6])
+    labels[1, 2:] = torch.tensor([7, 8])
+    labels[2] = torch.tensor([1, 2, 3, 4])  # a packed-text row: not a retrieval sample
+    logits = torch.zeros(3, 4, 10)
+    logits[0, 2, 5] = logits[0, 3, 6] = 1.0  # row 0 right on both answer tokens
+    logits[1, 2, 7] = logits[1, 3, 9] = 1.0  # row 1 wrong on its second answer token
+    correct, total = retrieval_accuracy(logits, labels)
+    assert isinstance(correct, torch.Tensor) and (correct.item(), total.item()) == (1, 2)
+    logits[1, 3, 8] = 2.0
+    assert [t.item() for t in retrieval_accuracy(logits, labels)] == [2, 2]
+    flags = torch.tensor([True, False, False])
+    assert [t.item() for t in retrieval_accuracy(logits, labels, flags)] == [1, 1]
+
+
+# ---------------------------------------------------------------- HF datasets (faked module)
+
+def _fake_datasets(monkeypatch, rows):
+    mod = types.ModuleType("datasets")
+    mod.load_dataset = lambda *a, **kw: list(rows)
+    monkeypatch.setitem(sys.modules, "datasets", mod)
+
+
+def test_hf_streaming_source_and_resume(monkeypatch):
+    rows = [{"text": f"example {i} " * (1 + i % 5)} for i in range(50)]
+    _fake_datasets(monkeypatch, rows)
+    c = cfg(dataset="hf", path="some/dataset", val_fraction=0.2)
+    kw = dict(seq_len=24, local_batch_size=2, rank=1, world_size=2)
+    loader = build_dataloader(c, TOK, **kw)
+    first = take(loader, 6)
+    text = TOK.decode(first[0]["input"][0].tolist())
+    assert "example" in text and first[0]["input"].shape == (2, 24)
+    fresh = build_dataloader(c, TOK, **kw)
+    take(fresh, 2)
+    state = fresh.state_dict()
+    again = build_dataloader(c, TOK, **kw)
+    again.load_state_dict(state)
+    for x, y in zip(first[2:], take(again, 4)):  # crosses the end of the 50-row stream
+        assert torch.equal(x["input"], y["input"])
+    with pytest.raises(ValueError, match="hf_text_field"):
+        next(build_dataloader(cfg(dataset="hf", path="x", hf_text_field="body"), TOK, seq_len=8, local_batch_size=1))
+
+
+def test_hf_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match=r"pip install nsa_titan\[hf\]"):
+        build_dataloader(cfg(dataset="hf", path="some/dataset"), TOK, seq_len=8, local_batch_size=1)
+
+
+# ---------------------------------------------------------------- defaults and errors
+
+def test_default_stdlib_loader():
+    loader = build_dataloader(cfg(), TOK, seq_len=128, local_batch_size=2)
+    b = next(loader)
+    assert b["input"].shape == (2, 128) and int(b["input"].max()) < 260
+    assert "def " in TOK.decode(torch.cat([x["input"] for x in take(loader, 20)]).flatten().tolist())
+
+
+def test_errors(tmp_path, text_dir):
+    kw = dict(seq_len=16, local_batch_size=1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "data.bin").write_bytes(b"\x00")
+    cases = [
+        (cfg(dataset="wiki"), kw, r"data\.dataset.*'stdlib'"),
+        (cfg(dataset="text_files", path=None), kw, r"data\.path is required"),
+        (cfg(dataset="text_files", path=str(tmp_path / "missing")), kw, r"data\.path.*missing.*does not exist"),
+        (cfg(dataset="text_files", path=str(empty)), kw, r"data\.path: no UTF-8 text"),
+        (cfg(), dict(seq_len=1, local_batch_size=1), r"training\.seq_len must be an int >= 2"),
+        (cfg(), dict(seq_len=16, local_batch_size=0), r"training\.local_batch_size"),
+        (cfg(), dict(kw, vocab_size=200), r"model\.vocab_size >= 260"),
+        (cfg(val_fraction=0.0), dict(kw, split="val"), r"data\.val_fraction > 0"),
+        (cfg(val_fraction=1.5), kw, r"data\.val_fraction must be in"),
+        (cfg(retrieval_mix=2.0), kw, r"data\.retrieval_mix"),
+        (cfg(dataset="text_files", path=str(text_dir)), dict(seq_len=100_000, local_batch_size=1),
+         r"fewer than one chunk.*training\.seq_len"),
+        (cfg(), dict(kw, rank=2, world_size=2), r"rank must be in"),
+    ]
+    for c, k, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            build_dataloader(c, TOK, **k)
+            print(c, k)  # only reached when no error was raised
+
+
+def test_ids_beyond_vocab_rejected():
+    class BadTok(ByteTokenizer):
+        vocab_size = 100  # claims fewer ids than the bytes it emits
+    with pytest.raises(ValueError, match="data.tokenizer.*vocab_size 100"):
+        tokenize_documents([b"hello"], BadTok())
