@@ -111,6 +111,13 @@ def test_hf_tokenizer_drives_loader(tmp_path, text_dir):
     assert b["input"].shape == (2, 16) and int(b["input"].max()) < tok.vocab_size
     with pytest.raises(ValueError, match="model.vocab_size"):
         build_dataloader(cfg(), TOK, seq_len=16, local_batch_size=2, vocab_size=tok.vocab_size)
+    # Retrieval with a tokenizer that has no SEP token and drops whitespace.
+    b = next(build_dataloader(cfg(dataset="retrieval", path=str(text_dir)), tok, seq_len=64, local_batch_size=2))
+    keep = b["labels"] != -100
+    n_answer = len(tok.encode("abc"))  # a value is one [UNK] word for this tokenizer
+    assert b["is_retrieval"].all() and keep.sum(1).tolist() == [n_answer] * 2
+    assert keep[:, 62 - n_answer + 1:63].all()  # answer right before the final EOS target
+    assert torch.equal(b["labels"][:, :-1][keep[:, :-1]], b["input"][:, 1:][keep[:, :-1]])
 
 
 # ---------------------------------------------------------------- corpora
@@ -131,6 +138,7 @@ def test_text_files_split_disjoint(text_dir):
     val = text_file_documents(str(text_dir), "val", 0.25)
     assert val and train and not set(train) & set(val)
     assert len(train) + len(val) == 40  # the .bin file is not a text file
+    assert len(text_file_documents(str(text_dir / "doc0*.txt"), "train", 0.0)) == 10  # a glob
     one = text_dir / "doc00.txt"
     tr, va = text_file_documents(str(one), "train", 0.3), text_file_documents(str(one), "val", 0.3)
     assert tr[0] + va[0] == one.read_bytes()
@@ -210,6 +218,9 @@ def test_determinism_and_seed_difference(text_dir):
     for x, y in zip(a, b):
         assert all(torch.equal(x[k], y[k]) for k in x)
     assert any(not torch.equal(x["input"], y["input"]) for x, y in zip(a, d))
+    text_only = cfg(dataset="text_files", path=str(text_dir))
+    t1, t2 = (next(build_dataloader(text_only, TOK, seed=sd, **kw))["input"] for sd in (1, 2))
+    assert not torch.equal(t1, t2)  # the document shuffle itself depends on the seed
     ds = build_dataloader(c, TOK, seed=1, **kw).text
     assert not np.array_equal(ds.epoch_stream(0), ds.epoch_stream(1))  # reshuffled per epoch
 

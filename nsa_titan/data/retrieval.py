@@ -32,7 +32,8 @@ class RetrievalTask:
     """Generates retrieval samples; ``sample(i)`` -> (tokens [seq_len+1], answer_mask [seq_len+1])."""
 
     def __init__(self, tokenizer, seq_len: int, *, num_pairs: int = 16, key_len: int = 4, value_len: int = 4,
-                 seed: int = 0, stream: int = 0, filler_tokens: np.ndarray | None = None, filler_eos_id: int | None = None):
+                 seed: int = 0, stream: int = 0, filler_tokens: np.ndarray | None = None,
+                 filler_eos_id: int | None = None):
         if num_pairs < 1 or key_len < 1 or value_len < 1:
             raise ValueError(
                 f"data.retrieval_num_pairs/key_len/value_len must all be >= 1, got "
@@ -50,13 +51,19 @@ class RetrievalTask:
         self.seed, self.stream = int(seed) & ((1 << 64) - 1), int(stream)
         self._byte_level = isinstance(tokenizer, ByteTokenizer)
         enc = self._encode
-        # Tokenizers without a separator token (HF) get a visible ":" instead.
+        self.bos, self.eos = int(tokenizer.bos_id), int(tokenizer.eos_id)
+        # Tokenizers without a separator token (HF) get a visible ":" instead (EOS if even
+        # that encodes to nothing: the separator must exist to delimit the answer).
         self.sep = np.array([tokenizer.sep_id], np.int64) if tokenizer.sep_id is not None else enc(":")
+        if len(self.sep) == 0:
+            self.sep = np.array([self.eos], np.int64)
         self.pair_delim = enc(" ; ")
         self.newline = enc("\n")
         self.query = enc(QUERY_MARKER)
-        self.bos, self.eos = int(tokenizer.bos_id), int(tokenizer.eos_id)
-        self._alphabet = np.array([enc(c)[0] for c in _FILLER_CHARS], np.int64)
+        # Whitespace pre-tokenizers encode " " or "\n" to nothing; keep the characters that do encode.
+        alphabet = [ids[0] for ids in (enc(c) for c in _FILLER_CHARS) if len(ids)]
+        self._alphabet = np.array(alphabet or [self.eos], np.int64)
+        self._eos_sub = int(self.newline[0]) if len(self.newline) else int(self._alphabet[0])
         if filler_tokens is not None and len(filler_tokens) == 0:
             filler_tokens = None
         self.filler_tokens = filler_tokens
@@ -101,7 +108,7 @@ class RetrievalTask:
         if self.filler_eos_id is not None:
             # Document boundaries inside the filler would teach "forget everything at EOS",
             # the opposite of what this task trains; turn them into newlines.
-            out[out == self.filler_eos_id] = self.newline[0]
+            out[out == self.filler_eos_id] = self._eos_sub
         return out
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
