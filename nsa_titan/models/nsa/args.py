@@ -112,7 +112,7 @@ def _flavors() -> dict[str, NSAModelArgs]:
     )
     # ~1B parameters with the paper's GQA group of 16 and head_dim 128, paper NSA sizes.
     one_b = NSAModelArgs(
-        dim=2048, n_layers=16, n_heads=16, n_kv_heads=1, head_dim=128, ffn_hidden_dim=5632,
+        dim=2048, n_layers=18, n_heads=16, n_kv_heads=1, head_dim=128, ffn_hidden_dim=5632,
         vocab_size=32000, max_seq_len=8192, cmp_block=32, cmp_stride=16, slc_block=64,
         slc_top_n=16, window=512,
     )

@@ -3,7 +3,7 @@
 Same semantics as ``reference.py`` (the spec), built for speed and for ``torch.compile(fullgraph=True)``:
 no Python loops over tokens, blocks or heads, no host syncs, every shape static. Differences from the
 reference are in construction only:
-- the overlap map is a closed-form interval intersection, not a membership product;
+- the overlap map is counted per sub-block of d positions, not by a token membership product;
 - top-n is a stable descending sort (ties keep the lower index) instead of an all-pairs ranking;
 - selected and window attention run through ``scaled_dot_product_attention`` with boolean masks.
 Memory is still O(T^2) per KV head for the selection mask; the kernels issue removes that.
@@ -32,7 +32,9 @@ def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
         return q.new_zeros(b, t, hq, v_cmp.shape[-1]), q.new_zeros(b, hkv, t, 0)
     qg = q.reshape(b, t, hkv, g, dk).permute(0, 2, 3, 1, 4)  # [B, HKV, G, T, Dk]
     kc = k_cmp.permute(0, 2, 3, 1)  # [B, HKV, Dk, Tc]
-    scores = torch.matmul(qg, kc.unsqueeze(2)).float() * dk**-0.5  # [B, HKV, G, T, Tc]
+    scores = torch.matmul(qg, kc.unsqueeze(2))  # [B, HKV, G, T, Tc]
+    # Softmax in at least fp32 (bf16 under autocast would lose the small probabilities selection needs).
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * dk**-0.5
     tpos = torch.arange(t, device=q.device)[:, None]
     ipos = torch.arange(tc, device=q.device)[None, :]
     visible = ipos * p.cmp_stride + p.cmp_block - 1 <= tpos  # [T, Tc]
@@ -46,12 +48,19 @@ def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
 
 
 def overlap_weights(seq_len: int, p: NSAParams, device=None, dtype=torch.float32) -> torch.Tensor:
-    """[Tc, Nb]: |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d in closed form (small integers: exact in fp32)."""
-    i = torch.arange(p.num_cmp_tokens(seq_len), device=device)[:, None]
-    j = torch.arange(p.num_slc_blocks(seq_len), device=device)[None, :]
-    lo = torch.maximum(i * p.cmp_stride, j * p.slc_block)
-    hi = torch.minimum(i * p.cmp_stride + p.cmp_block, (j + 1) * p.slc_block)
-    return ((hi - lo).clamp(min=0) // p.cmp_stride).to(dtype)
+    """[Tc, Nb]: |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d, counted in sub-blocks of d positions.
+
+    Compressed token i covers sub-blocks i .. i + l/d - 1, and sub-block u lies in selection block
+    u // (l'/d): a one-hot per covered sub-block, summed (small integers: exact in fp32). The loop runs
+    over the l/d sub-blocks of one compression block (2 at paper sizes), never over tokens.
+    """
+    i = torch.arange(p.num_cmp_tokens(seq_len), device=device)
+    nb = p.num_slc_blocks(seq_len)
+    subs_per_block = p.slc_block // p.cmp_stride
+    w = torch.zeros(i.shape[0], nb, device=device, dtype=dtype)
+    for r in range(p.cmp_block // p.cmp_stride):
+        w = w + F.one_hot((i + r) // subs_per_block, nb).to(dtype)
+    return w
 
 
 def select_blocks(group_probs, p: NSAParams) -> torch.Tensor:

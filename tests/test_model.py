@@ -1,0 +1,149 @@
+"""The NSA transformer: construction, causality, implementations agree, compile, FLOP counting."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from nsa_titan.models import MODEL_FLAVORS, build_model, get_model_args
+from nsa_titan.models.nsa import reference as ref
+from nsa_titan.models.nsa.common import NSAParams
+from nsa_titan.models.nsa.flops import count_params, mean_keys_per_query, training_flops_per_token
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=96, max_seq_len=256,
+            cmp_block=8, cmp_stride=4, slc_block=16, slc_top_n=3, window=24)
+
+
+def tiny_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = get_model_args("debug", **{**TINY, **kw})
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def run_with_blocks(model, tokens):
+    """The model's forward, also returning every layer's selected blocks."""
+    t = tokens.shape[1]
+    cos, sin = model.rope_cos[:t], model.rope_sin[:t]
+    h, blocks = model.tok_embeddings(tokens), []
+    for block in model.layers.values():
+        a, sel = block.attention(block.attention_norm(h), cos, sin, return_blocks=True)
+        h = h + a
+        h = h + block.feed_forward(block.ffn_norm(h))
+        blocks.append(sel if sel.dtype == torch.bool else ref_mask(sel, t, model))
+    return model.output(model.norm(h)), blocks
+
+
+def ref_mask(block_idx, t, model):
+    from nsa_titan.models.nsa.torch_impl import blocks_to_mask
+
+    return blocks_to_mask(block_idx, t, NSAParams.from_args(model.args))
+
+
+def test_meta_init_is_deterministic_and_finite():
+    a, b = tiny_model(seed=3), tiny_model(seed=3)
+    for (n, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), n
+    tokens = torch.randint(0, 256, (2, 50))
+    assert torch.isfinite(a(tokens)).all()
+    assert not torch.equal(tiny_model(seed=4).output.weight, a.output.weight)
+
+
+@pytest.mark.parametrize("kw", [{}, {"shared_kv": True}, {"compress": "mean"}, {"v_head_dim": 8}])
+def test_torch_path_matches_reference_through_the_model(kw):
+    fast_m = tiny_model(**kw, attn_impl="torch")
+    ref_m = tiny_model(**kw, attn_impl="reference")
+    tokens = torch.randint(0, 256, (2, 70))
+    lf, bf = run_with_blocks(fast_m, tokens)
+    lr, br = run_with_blocks(ref_m, tokens)
+    assert all(torch.equal(x, y) for x, y in zip(bf, br))
+    assert (lf - lr).abs().max() < 1e-5
+    lf.logsumexp(-1).sum().backward()
+    lr.logsumexp(-1).sum().backward()
+    for (name, pf), pr in zip(fast_m.named_parameters(), ref_m.parameters()):
+        assert (pf.grad - pr.grad).abs().max() < 1e-4 * max(1.0, pr.grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+def test_model_is_causal(impl):
+    model = tiny_model(attn_impl=impl)
+    tokens = torch.randint(0, 256, (2, 90))
+    for cut in (5, 33, 64):
+        other = tokens.clone()
+        other[:, cut:] = torch.randint(0, 256, other[:, cut:].shape)
+        (lx, bx), (ly, by) = run_with_blocks(model, tokens), run_with_blocks(model, other)
+        assert torch.equal(lx[:, :cut], ly[:, :cut])
+        assert all(torch.equal(x[:, :, :cut], y[:, :, :cut]) for x, y in zip(bx, by))
+        assert not torch.equal(lx[:, cut:], ly[:, cut:])
+
+
+def test_dense_attention_type_is_causal_and_trains():
+    model = tiny_model(attn_type="dense")
+    tokens = torch.randint(0, 256, (1, 40))
+    other = tokens.clone()
+    other[:, 20:] = (other[:, 20:] + 1) % 256
+    assert torch.equal(model(tokens)[:, :20], model(other)[:, :20])
+    model(tokens).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_compile_fullgraph_forward_backward_matches_eager():
+    model = tiny_model()
+    tokens = torch.randint(0, 256, (2, 48))
+    eager = model(tokens)
+    eager.logsumexp(-1).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    out = compiled(tokens)
+    out.logsumexp(-1).mean().backward()
+    assert (out - eager).abs().max() < 1e-4
+    for g, p in zip(grads, model.parameters()):
+        assert (g - p.grad).abs().max() < 1e-4
+
+
+def test_mean_keys_match_the_reference_masks():
+    args = get_model_args("debug", **TINY)
+    p, t = NSAParams.from_args(args), 100
+    vis = ref.compressed_visibility(t, p).sum(-1).double().mean()
+    # Keys a query of the selection branch reads: selected blocks' tokens at or before t, taking the top
+    # n with all-equal importance (any choice reads the same count: past blocks are always full).
+    chosen = ref.select_blocks(torch.zeros(1, 1, t, p.num_slc_blocks(t)), p)[0, 0]
+    s = torch.arange(t)
+    slc = (chosen[:, s // p.slc_block] & (s[None] <= s[:, None])).sum(-1).double().mean()
+    win = ((s[None] <= s[:, None]) & (s[None] > s[:, None] - p.window)).sum(-1).double().mean()
+    keys = mean_keys_per_query(args, t)
+    assert keys["cmp"] == pytest.approx(vis.item()) and keys["slc"] == pytest.approx(slc.item())
+    assert keys["win"] == pytest.approx(win.item())
+    assert mean_keys_per_query(dataclasses.replace(args, attn_type="dense"), t)["dense"] == 50.5
+
+
+def test_param_count_and_flops():
+    args = get_model_args("debug", **TINY)
+    model = tiny_model()
+    assert count_params(args, include_embedding=True) == sum(p.numel() for p in model.parameters())
+    assert count_params(args) == count_params(args, True) - args.vocab_size * args.dim
+    # Longer sequences cost more per token (more compressed tokens, fuller windows), never less.
+    assert training_flops_per_token(args, 256) > training_flops_per_token(args, 64) > 6 * count_params(args)
+    assert 0.7e9 < count_params(get_model_args("1b"), True) < 1.3e9
+
+
+def test_flavors_and_validation_errors():
+    assert {"debug", "m7c", "1b"} <= set(MODEL_FLAVORS)
+    for name in MODEL_FLAVORS:
+        get_model_args(name).validate()
+    with pytest.raises(ValueError, match="valid flavors"):
+        get_model_args("7b")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        get_model_args("debug", n_kv_heads=3).validate()
+    with pytest.raises(ValueError, match="cmp_stride"):
+        get_model_args("debug", cmp_stride=5).validate()
+    with pytest.raises(ValueError, match="slc_top_n"):
+        get_model_args("debug", slc_top_n=2).validate()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        get_model_args("debug").validate(seq_len=4096)
+    assert get_model_args("debug") is not get_model_args("debug")  # callers get their own copy
