@@ -7,6 +7,7 @@ import the config module, and tests can pass a SimpleNamespace.
 from __future__ import annotations
 
 import functools
+import types
 
 from .corpus import hf_documents, stdlib_documents, text_file_documents, tokenize_documents
 from .loader import PackedTextDataset, StatefulLoader, StreamingPackedDataset
@@ -17,7 +18,7 @@ __all__ = ["DATASETS", "DATA_DEFAULTS", "build_dataloader"]
 DATASETS = ("stdlib", "retrieval", "text_files", "hf")
 
 # Used only for fields a config object lacks; the [data] dataclass is the real source of defaults.
-DATA_DEFAULTS = {
+DATA_DEFAULTS = types.MappingProxyType({
     "dataset": "stdlib",
     "path": None,
     "tokenizer": "byte",
@@ -28,7 +29,7 @@ DATA_DEFAULTS = {
     "retrieval_key_len": 4,
     "retrieval_value_len": 4,
     "retrieval_mix": 0.0,
-}
+})
 
 
 def _cfg(data_cfg, name):
