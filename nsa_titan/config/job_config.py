@@ -186,7 +186,8 @@ class Data:
     key-value retrieval sequences only; 'text_files': files under data.path; 'hf': a Hugging Face
     dataset named by data.path (needs the `datasets` package)."""
     path: str | None = None
-    """Folder/glob for 'text_files', dataset name for 'hf'; unused by 'stdlib' and 'retrieval'."""
+    """Folder/glob for 'text_files', dataset name for 'hf'; for 'retrieval', files whose text fills the
+    gap between the key-value pairs and the query (None: random letters); unused by 'stdlib'."""
     tokenizer: str = "byte"
     """'byte' (256 bytes + 4 specials, no download) or the path of a Hugging Face tokenizer.json."""
     hf_split: str = "train"

@@ -54,12 +54,12 @@ def overlap_weights(seq_len: int, p: NSAParams, device=None, dtype=torch.float32
     u // (l'/d): a one-hot per covered sub-block, summed (small integers: exact in fp32). The loop runs
     over the l/d sub-blocks of one compression block (2 at paper sizes), never over tokens.
     """
-    i = torch.arange(p.num_cmp_tokens(seq_len), device=device)
-    nb = p.num_slc_blocks(seq_len)
+    i = torch.arange(p.num_cmp_tokens(seq_len), device=device)[:, None]
+    j = torch.arange(p.num_slc_blocks(seq_len), device=device)[None, :]
     subs_per_block = p.slc_block // p.cmp_stride
-    w = torch.zeros(i.shape[0], nb, device=device, dtype=dtype)
-    for r in range(p.cmp_block // p.cmp_stride):
-        w = w + F.one_hot((i + r) // subs_per_block, nb).to(dtype)
+    w = torch.zeros(i.shape[0], j.shape[1], device=device, dtype=dtype)
+    for r in range(p.cmp_block // p.cmp_stride):  # F.one_hot would validate indices with a host sync
+        w = w + ((i + r) // subs_per_block == j).to(dtype)
     return w
 
 
