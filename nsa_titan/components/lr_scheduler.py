@@ -8,7 +8,8 @@ training loop calls ``scheduler.step()`` after every ``optimizer.step()``):
 * decay (last D steps):      progress p = (s - start) / (D - 1) in [0, 1], first decay step at the peak,
                              last training step (s = total-1) exactly at ``min_lr_ratio``
   cosine: m + (1-m) * (1 + cos(pi p)) / 2;  linear / wsd: m + (1-m) * (1 - p);  constant: 1.0
-D = total - W for cosine/linear; for WSD D = round(wsd_decay_ratio * total), capped at total - W.
+D = total - W for cosine/linear; for WSD D = max(1, round(wsd_decay_ratio * (total - W))): the ratio is a
+fraction of the post-warmup steps (as documented for ``[lr_scheduler] wsd_decay_ratio``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def lr_factor(
         return 1.0
     decay_steps = total_steps - warmup_steps
     if decay_type == "wsd":
-        decay_steps = min(decay_steps, max(1, round(wsd_decay_ratio * total_steps)))
+        decay_steps = min(decay_steps, max(1, round(wsd_decay_ratio * decay_steps)))
     decay_start = total_steps - decay_steps
     if step < decay_start:
         return 1.0
@@ -65,8 +66,8 @@ def validate_schedule(sched_cfg: Any, total_steps: int) -> None:
         raise ValueError(f"unknown lr_scheduler.decay_type {sched_cfg.decay_type!r}; choose one of {DECAY_TYPES}")
     if not 0.0 <= float(sched_cfg.min_lr_ratio) <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {sched_cfg.min_lr_ratio}")
-    if sched_cfg.decay_type == "wsd" and not 0.0 < float(sched_cfg.wsd_decay_ratio) <= 1.0:
-        raise ValueError(f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {sched_cfg.wsd_decay_ratio}")
+    if sched_cfg.decay_type == "wsd" and not 0.0 <= float(sched_cfg.wsd_decay_ratio) <= 1.0:
+        raise ValueError(f"lr_scheduler.wsd_decay_ratio must be in [0, 1], got {sched_cfg.wsd_decay_ratio}")
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: Any, total_steps: int) -> LambdaLR:

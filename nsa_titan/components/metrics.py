@@ -99,8 +99,8 @@ class CudaBusyTimer:
         return busy_ms / 1000.0
 
 
-def _fmt_opt(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
+def _fmt_pct(value: float | None, decimals: int) -> str:
+    return "n/a" if value is None else f"{100 * value:.{decimals}f}%"
 
 
 def format_train_line(r: dict[str, Any], total_steps: int) -> str:
@@ -108,8 +108,7 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
     line = (
         f"step {r['step']:>6d}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | gnorm {r['grad_norm']:.3f}"
         f" | tok/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f}/gpu)"
-        f" | mfu {_fmt_opt(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}%"
-        f" | mem {mem} GiB | gpu-busy {_fmt_opt(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')}%"
+        f" | mfu {_fmt_pct(r['mfu'], 1)} | mem {mem} GiB | gpu-busy {_fmt_pct(r['gpu_busy'], 0)}"
         f" | eta {datetime.timedelta(seconds=int(r['eta_s']))}"
     )
     if r["gpu_busy_warning"]:
@@ -280,7 +279,7 @@ class MetricsLogger:
             return
         record = {"type": "val", "step": step, **metrics}
         self.val_records.append(record)
-        parts = [f"{k} {v:.4f}" for k, v in metrics.items()]
+        parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()]
         self._print(f"val  {step:>6d}/{self.total_steps} | " + " | ".join(parts))
         self._write(record)
         if self._tb is not None:

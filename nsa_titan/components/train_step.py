@@ -90,9 +90,10 @@ def evaluate(
     device: torch.device,
     *,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
-    retrieval_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    retrieval_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
-    """Token-weighted validation loss (and retrieval accuracy) over fixed batches. Runs on val steps only."""
+    """Token-weighted validation loss over fixed batches; with ``retrieval_fn(logits, labels, is_retrieval)``
+    (``nsa_titan.data.retrieval_accuracy``) also the retrieval accuracy. Runs on val steps only."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -107,7 +108,7 @@ def evaluate(
             loss_sum += token_loss_sum(logits, batch["labels"])
             n_tokens += count_target_tokens([batch])
             if retrieval_fn is not None:
-                c, t = retrieval_fn(logits, batch["labels"])
+                c, t = retrieval_fn(logits, batch["labels"], batch.get("is_retrieval"))
                 correct += c
                 total += t
     finally:
@@ -116,5 +117,5 @@ def evaluate(
     out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
     if retrieval_fn is not None:
         out["retrieval_acc"] = (correct / total.clamp(min=1)).item()  # host sync ok: log step
-        out["retrieval_n"] = float(total.item())  # host sync ok: log step
+        out["retrieval_n"] = int(total.item())  # host sync ok: log step
     return out

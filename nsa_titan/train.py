@@ -1,0 +1,199 @@
+"""Train an NSA language model.
+
+    python -m nsa_titan.train --config train_configs/debug_model.toml [--section.key value ...]
+    torchrun --nproc_per_node N -m nsa_titan.train ...   (N > 1 needs parallelize_nsa, issue 3)
+
+Precedence of settings: command line > TOML > defaults (see ``--help``). Rank 0 prints and writes files:
+``dump_folder/<metrics.jsonl_file>`` (one JSON object per log / val step) and ``dump_folder/summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nsa_titan.components.lr_scheduler import build_lr_scheduler
+from nsa_titan.components.metrics import MetricsLogger
+from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.runtime import (
+    World,
+    autocast_context,
+    device_name,
+    resolve_device,
+    seed_everything,
+    software_versions,
+    world_from_env,
+)
+from nsa_titan.components.train_step import evaluate, move_batch, train_step
+from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
+from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
+from nsa_titan.models import NSAModelArgs, build_model, get_model_args
+from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
+
+
+def _print0(world: World, *args: Any) -> None:
+    if world.is_main:
+        print(*args, flush=True)
+
+
+def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs:
+    """The flavor's args with the non-None ``[model]`` overrides applied, checked against seq_len and tokenizer."""
+    args = get_model_args(job_config.model.flavor, **job_config.model.overrides())
+    args.validate(job_config.training.seq_len)
+    if vocab_needed > args.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: the tokenizer ({job_config.data.tokenizer!r}) has {vocab_needed} tokens but the "
+            f"model only {args.vocab_size} embedding rows; pass --model.vocab_size {vocab_needed} (or larger)"
+        )
+    return args
+
+
+def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device: torch.device,
+                         world: World) -> nn.Module:
+    """Materialise the model for training (fp32 master weights), optionally compiled.
+
+    The one seam that parallelize_nsa (issue 3: activation checkpointing -> compile -> data parallel)
+    replaces; the rest of the loop only needs ``model(tokens) -> logits`` and ``model.parameters()``.
+    """
+    if world.world_size > 1:
+        raise NotImplementedError(
+            f"WORLD_SIZE={world.world_size}: data parallelism arrives with parallelize_nsa (issue 3); "
+            "for now run a single process (python -m nsa_titan.train ...)"
+        )
+    # Build on meta, then allocate once on the target device: no CPU copy of large models.
+    with torch.device("meta"):
+        model = build_model(model_args)
+    model.to_empty(device=device)
+    model.init_weights()
+    model.train()
+    if job_config.compile.enable:
+        model = torch.compile(model, fullgraph=job_config.compile.fullgraph)
+    return model
+
+
+def _fixed_val_batches(job_config: JobConfig, tokenizer, world: World) -> list[dict[str, torch.Tensor]]:
+    """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
+    tc = job_config.training
+    loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
+                              rank=world.rank, world_size=world.world_size, seed=tc.seed, split="val")
+    return [next(loader) for _ in range(job_config.metrics.val_steps)]
+
+
+def _uses_retrieval(job_config: JobConfig) -> bool:
+    return job_config.data.dataset == "retrieval" or job_config.data.retrieval_mix > 0
+
+
+def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interrupted: bool, device: torch.device,
+                  job_config: JobConfig, model_args: NSAModelArgs, model_info: dict[str, Any]) -> dict[str, Any]:
+    summary = {
+        **logger.summary(),
+        "steps": steps_done,
+        "steps_planned": job_config.training.steps,
+        "interrupted": interrupted,
+        "note": "tokens_per_s, mfu and gpu_busy exclude the first log window (step 1: warm-up / compile)",
+        "device": device_name(device),
+        **software_versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {**model_info, "args": dataclasses.asdict(model_args)},
+        "config": job_config_to_dict(job_config),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run training; returns the summary dict (rank 0; other ranks get {})."""
+    job_config = load_job_config(argv)
+    world = world_from_env()
+    tc, mc = job_config.training, job_config.metrics
+    _print0(world, "# resolved config\n" + config_to_toml(job_config))
+
+    device = resolve_device(tc.device, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seed_everything(tc.seed)
+    if tc.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    model_args = resolve_model_args(job_config, tokenizer.vocab_size)
+    model = build_training_model(job_config, model_args, device, world)
+    flops_per_token = training_flops_per_token(model_args, tc.seq_len)
+    model_info = {
+        "flavor": job_config.model.flavor,
+        "params": count_params(model_args, include_embedding=False),
+        "params_with_embedding": count_params(model_args, include_embedding=True),
+        "training_flops_per_token": flops_per_token,
+    }
+    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={model_args.attn_impl}): "
+                   f"{model_info['params'] / 1e6:.2f}M params excl. embedding "
+                   f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
+                   f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "
+                   f"device {device_name(device)}")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, job_config.optimizer, device.type)
+    scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
+    # Common seed on every rank: the loader shards by its explicit rank argument, and a per-rank seed
+    # would give ranks different document orders, i.e. overlapping shards.
+    train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
+                                    local_batch_size=tc.local_batch_size, rank=world.rank,
+                                    world_size=world.world_size, seed=tc.seed, split="train")
+    val_batches = _fixed_val_batches(job_config, tokenizer, world) if mc.val_freq > 0 else []
+    retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
+    autocast = functools.partial(autocast_context, device, tc.mixed_precision)
+
+    dump = Path(job_config.job.dump_folder)
+    logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
+                           rank=world.rank, flops_per_token=flops_per_token)
+    _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
+                   f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s)")
+    steps_done, interrupted = 0, False
+    try:
+        for step in range(1, tc.steps + 1):
+            micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]  # host-side data work
+            logger.step_start()
+            micro_batches = [move_batch(mb, device) for mb in micro_batches]
+            lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
+            loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
+                                         max_norm=tc.max_norm, autocast=autocast)
+            logger.step_end(step, loss, grad_norm, num_tokens=sum(mb["input"].numel() for mb in micro_batches))
+            steps_done = step
+            if logger.should_log(step):
+                logger.log(step, lr)
+            if val_batches and (step % mc.val_freq == 0 or step == tc.steps):
+                with logger.paused():
+                    logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
+                                                  retrieval_fn=retrieval_fn))
+    except KeyboardInterrupt:
+        interrupted = True
+        _print0(world, f"interrupted after {steps_done} completed step(s); writing the summary")
+    finally:
+        logger.close()
+
+    if not world.is_main:
+        return {}
+    summary = write_summary(dump / "summary.json", logger, steps_done=steps_done, interrupted=interrupted,
+                            device=device, job_config=job_config, model_args=model_args, model_info=model_info)
+    tps = summary["tokens_per_s"]
+    _print0(world, f"done: {steps_done} steps, loss {summary['initial_loss']} -> {summary['final_loss']}, "
+                   f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s; summary in {dump / 'summary.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        result = main()
+    except ConfigError as e:  # a settings mistake: the message names the key and the fix; no traceback
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(130 if result.get("interrupted") else 0)
