@@ -252,6 +252,19 @@ def test_tensorboard_missing_warns_once(tmp_path, monkeypatch):
     assert len(lines) == 1 and "TensorBoard" in lines[0]
 
 
+def test_tensorboard_events_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    run_logger(tmp_path, busy_fraction=1.0)  # enable_tensorboard is off there: no events
+    assert not (tmp_path / "tb").exists()
+    logger = MetricsLogger(metrics_cfg(enable_tensorboard=True), dump_folder=tmp_path, total_steps=1,
+                           device=torch.device("cpu"), print_fn=lambda s: None)
+    logger.step_start()
+    logger.step_end(1, torch.tensor(1.0), torch.tensor(1.0), 10)
+    logger.log(1, lr=0.1)
+    logger.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
 def test_peak_flops_table():
     assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_for_name("NVIDIA H200") == 989e12
@@ -332,3 +345,22 @@ def test_world_from_env():
     assert world_from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == World(3, 1, 4)
     with pytest.raises(ValueError):
         world_from_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
+    """The GA loop and grad clipping must not read device values (the optimizer's CPU step counters may)."""
+    from nsa_titan.components.train_step import clip_grads
+
+    model = Tiny()
+    batches = [make_batch([1, 2, 3, 4, 5], 4), make_batch([5, 4, 3, 2, 1], 2)]
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in the hot path")
+
+    for name in ("item", "tolist", "nonzero", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    loss = forward_backward(model, batches)
+    norm = clip_grads(list(model.parameters()), 1.0)
+    norm_unclipped = clip_grads(list(model.parameters()), 0.0)
+    monkeypatch.undo()
+    assert loss.item() > 0 and norm.item() > 0 and norm_unclipped.item() > 0
