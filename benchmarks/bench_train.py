@@ -1,0 +1,196 @@
+"""Training throughput of a flavor on this machine: tokens/s, MFU and GPU-busy share per variant.
+
+Each variant runs ``python -m nsa_titan.train`` in its own process (clean memory, clean compile caches)
+and the run's summary.json is collected into one JSON + markdown table:
+
+    python benchmarks/bench_train.py --config train_configs/m7c_125m.toml --steps 30 \
+        --variants torch,torch_compile --out benchmarks/results --tag m7c_seq2048
+
+``--check-syncs`` also runs one forward+backward of the model under
+``torch.cuda.set_sync_debug_mode("error")``: any host sync in the model's hot path raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
+
+VARIANTS = {
+    "torch": ["--model.attn_impl", "torch"],
+    "torch_compile": ["--model.attn_impl", "torch", "--compile.enable"],
+    "triton": ["--model.attn_impl", "triton"],
+    "triton_compile": ["--model.attn_impl", "triton", "--compile.enable"],
+    "dense": ["--model.attn_type", "dense"],
+    "dense_compile": ["--model.attn_type", "dense", "--compile.enable"],
+}
+
+
+def check_syncs(config: str, impl: str, extra: list[str]) -> str:
+    """One forward+backward of the configured model with host syncs turned into errors."""
+    import torch
+
+    from nsa_titan.config import load_job_config
+    from nsa_titan.models import build_model, get_model_args
+
+    cfg = load_job_config(["--config", config, "--model.attn_impl", impl, *extra])
+    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cuda")
+    model.init_weights()
+    tokens = torch.randint(0, 256, (cfg.training.local_batch_size, cfg.training.seq_len), device="cuda")
+    for mode in ("warn", "error"):  # first pass loads kernels/handles, second must not sync
+        torch.cuda.set_sync_debug_mode(mode)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return f"no host sync in forward+backward ({impl}, {args.n_layers} layers, T={cfg.training.seq_len})"
+
+
+def kernel_busy(config: str, variant: str, extra: list[str], steps: int = 6) -> str:
+    """Share of wall time in which some GPU kernel runs, from a torch.profiler trace.
+
+    The trainer's GPU-busy metric (CUDA-event time over wall time) cannot see gaps inside a step where the
+    GPU waits for the CPU to launch work; the union of kernel intervals can. Measured on the configured
+    model's forward + backward + fused AdamW step with synthetic tokens (the profiler's own CPU overhead
+    makes this a lower bound).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from nsa_titan.config import load_job_config
+    from nsa_titan.models import build_model, get_model_args
+
+    cfg = load_job_config(["--config", config, *VARIANTS[variant], *extra])
+    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cuda")
+    model.init_weights()
+    fwd = torch.compile(model, fullgraph=True) if cfg.compile.enable else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, 256, (cfg.training.local_batch_size, cfg.training.seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fwd(tokens)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("measured_steps"):
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    window = next(e for e in events if e.name == "measured_steps").time_range
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in kernels:
+        start, end = max(start, window.start), min(end, window.end)
+        if end <= start:
+            continue
+        if cur_end is None or start > cur_end:
+            busy += 0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += 0 if cur_end is None else cur_end - cur_start
+    share = busy / (window.end - window.start)
+    return f"kernel-busy (profiler, {variant}): {share:.1%} of {steps} steps' wall time"
+
+
+def environment() -> dict[str, str | None]:
+    import platform
+
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
+    return {"device": device, "torch": torch.__version__, "triton": triton_version}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="train_configs/m7c_125m.toml")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--variants", default="torch,torch_compile")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="m7c")
+    ap.add_argument("--check-syncs", action="store_true")
+    ap.add_argument("--kernel-busy", action="store_true", help="profile each variant's GPU kernel-busy share")
+    ap.add_argument("--skip-train", action="store_true", help="only the in-process checks, no training runs")
+    ap.add_argument("extra", nargs="*", help="overrides passed to every run, e.g. --training.seq_len 2048")
+    a = ap.parse_args()
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    rows, notes = [], []
+    if a.check_syncs:
+        notes.append(check_syncs(a.config, "torch", a.extra))
+        print(notes[-1], flush=True)
+    for name in a.variants.split(",") if a.kernel_busy else []:
+        notes.append(kernel_busy(a.config, name, a.extra))
+        print(notes[-1], flush=True)
+    for name in [] if a.skip_train else a.variants.split(","):
+        with tempfile.TemporaryDirectory() as dump:
+            cmd = [sys.executable, "-m", "nsa_titan.train", "--config", a.config, "--training.steps", str(a.steps),
+                   "--metrics.log_freq", "5", "--metrics.val_freq", "0", "--job.dump_folder", dump,
+                   *VARIANTS[name], *a.extra]
+            print("$", " ".join(cmd), flush=True)
+            proc = subprocess.run(cmd, cwd=REPO)
+            summary_file = Path(dump) / "summary.json"
+            if proc.returncode != 0 or not summary_file.exists():
+                rows.append({"variant": name, "error": f"exit code {proc.returncode}"})
+                continue
+            s = json.loads(summary_file.read_text())
+            rows.append({"variant": name, **{k: s.get(k) for k in (
+                "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "gpu_busy", "peak_mem_gib", "initial_loss",
+                "final_loss", "steps", "device", "torch", "triton", "date")}, "model": s.get("model"),
+                "training": s["config"]["training"]})
+    meta = environment()
+    result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              **meta, "notes": notes, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"train_{a.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    lines = [f"# Training throughput: {a.tag} ({meta.get('device', '?')}, torch {meta.get('torch')}, "
+             f"triton {meta.get('triton')}, {result['date'][:10]})", "",
+             "| variant | tokens/s | MFU | GPU busy | peak GiB | loss first -> last |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | |")
+            continue
+        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
+                     f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
+                     f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
+    lines += ["", *notes]
+    (out / f"train_{a.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
