@@ -67,7 +67,8 @@ def autocast_context(device: torch.device, mixed_precision: str) -> contextlib.A
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    # The intra-op thread count matters on CPU: oversubscribed OpenMP threads can slow steps by 10x+.
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, intra-op threads {torch.get_num_threads()})"
 
 
 def software_versions() -> dict[str, str | None]:
