@@ -1,0 +1,239 @@
+"""Causal "band" attention in Triton: one kernel family serves the compressed and the sliding-window branch.
+
+Key i sits at position pos(i) = i * KSTRIDE + KOFF and query t sees it iff pos(i) <= t and, when WIN > 0,
+pos(i) > t - WIN. Compressed attention is KSTRIDE = d, KOFF = l - 1 (token i covers [i*d, i*d + l)), no
+window; sliding-window attention is KSTRIDE = 1, KOFF = 0, WIN = w.
+
+GQA packing: one program owns BT consecutive tokens of one (batch, KV head) and all GP = next_pow2(G) query
+heads of that group, as BT * GP matrix rows (row r -> token t0 + r // GP, head r % GP, heads >= G masked).
+Every key/value tile is then loaded once for the whole group, and small G still fills the MMA tile.
+
+Scores are kept in log2 units (the softmax scale is folded with log2(e)), so LSE is a base-2 log-sum-exp.
+Rows that see nothing get output 0 and LSE = +inf, which makes every recomputed probability exp2(s - LSE)
+exactly 0 in the backward and in the block selection, without special cases.
+dK/dV are computed per key tile (no atomics: deterministic); long query ranges are split into NSPLIT
+contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rows(pid_m, pid_bh, T, G, HKV, BT: tl.constexpr, GP: tl.constexpr):
+    """Packed rows of a query tile: token, query head, validity."""
+    r = tl.arange(0, BT * GP)
+    t = pid_m * BT + r // GP
+    g = r % GP
+    kv = pid_bh % HKV
+    return t, kv * G + g, (t < T) & (g < G)
+
+
+@triton.jit
+def _visible(t, pos, kmask, WIN: tl.constexpr):
+    vis = (pos[None, :] <= t[:, None]) & kmask[None, :]
+    if WIN > 0:
+        vis = vis & (pos[None, :] > t[:, None] - WIN)
+    return vis
+
+
+@triton.jit
+def _key_range(t_lo, t_hi, S, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr):
+    """Keys [i_start, i_end) that any query in [t_lo, t_hi] can see (integer division truncates: guard < 0)."""
+    i_end = tl.where(t_hi >= KOFF, (t_hi - KOFF) // KSTRIDE + 1, 0)
+    i_end = tl.minimum(i_end, S)
+    i_start = 0
+    if WIN > 0:
+        x = t_lo - WIN + 1 - KOFF
+        i_start = tl.where(x > 0, (x + KSTRIDE - 1) // KSTRIDE, 0)
+    return i_start, i_end
+
+
+@triton.jit
+def _band_fwd(Q, K, V, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+              T, S, G, HKV, qk_scale,
+              KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
+              GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              DKP: tl.constexpr, DVP: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    t_lo = pid_m * BT
+    i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    m_i = tl.full([BT * GP], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
+    l_i = tl.zeros([BT * GP], tl.float32)
+    acc = tl.zeros([BT * GP, DVP], tl.float32)
+    for i0 in range(i_start, i_end, BK):
+        i = i0 + tl.arange(0, BK)
+        kmask = i < i_end
+        k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
+                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    ok = l_i > 0
+    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
+    tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                 T, S, G, HKV, qk_scale, sm_scale,
+                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
+                 GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DKP: tl.constexpr, DVP: tl.constexpr):
+    """dQ per query tile. DO and DQ share Q's strides (the launcher makes them so)."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
+    q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
+    do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    t_lo = pid_m * BT
+    i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    dq = tl.zeros([BT * GP, DKP], tl.float32)
+    for i0 in range(i_start, i_end, BK):
+        i = i0 + tl.arange(0, BK)
+        kmask = i < i_end
+        k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
+                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
+    tl.store(DQ + dq_off + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
+def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                   T, S, G, HKV, B, qk_scale, sm_scale, NSPLIT,
+                   KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
+                   GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   DKP: tl.constexpr, DVP: tl.constexpr):
+    """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]."""
+    pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    i = pid_n * BK + tl.arange(0, BK)
+    kmask = i < S
+    k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
+                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    pos = i * KSTRIDE + KOFF
+    q_lo = pid_n * BK * KSTRIDE + KOFF
+    q_hi = T
+    if WIN > 0:
+        q_hi = tl.minimum(T, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), BT) * BT
+    lo = q_lo + pid_s * chunk
+    hi = tl.minimum(lo + chunk, q_hi)
+    r = tl.arange(0, BT * GP)
+    g = r % GP
+    h = kv * G + g
+    acc_k = tl.zeros([BK, DKP], tl.float32)
+    acc_v = tl.zeros([BK, DVP], tl.float32)
+    for t0 in range(lo, hi, BT):
+        t = t0 + r // GP
+        row_ok = (t < hi) & (g < G)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
+        do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        vis = _visible(t, pos, kmask, WIN) & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
+    tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
+    tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
+
+
+def pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _cfg(G: int, dmax: int, is_interp: bool):
+    gp = pow2(G)
+    rows = 64 if (dmax > 128 or is_interp) else 128
+    bt = max(1, rows // gp)
+    bk = 32 if dmax > 128 else 64
+    return gp, bt, bk, (8 if bt * gp >= 128 else 4)
+
+
+def _interp(x: torch.Tensor) -> bool:
+    return x.device.type != "cuda"
+
+
+def band_fwd(q, k, v, kstride: int, koff: int, window: int):
+    """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
+    B, T, HQ, DK = q.shape
+    S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
+    G = HQ // HKV
+    o = q.new_empty(B, T, HQ, DV)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    gp, bt, bk, nw = _cfg(G, max(DK, DV), _interp(q))
+    grid = (triton.cdiv(T, bt), B * HKV)
+    _band_fwd[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                    T, S, G, HKV, DK**-0.5 * LOG2E, KSTRIDE=kstride, KOFF=koff, WIN=window, BT=bt, GP=gp,
+                    BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), num_warps=nw)
+    return o, lse
+
+
+def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int):
+    B, T, HQ, DK = q.shape
+    S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
+    G = HQ // HKV
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)  # [B, T, HQ]: rowsum(dO * O), the softmax-backward term
+    gp, bt, bk, nw = _cfg(G, max(DK, DV), _interp(q))
+    consts = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, BT=bt, GP=gp, BK=bk, DK=DK, DV=DV,
+                  DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), num_warps=nw)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, *strides, T, S, G, HKV,
+                                                DK**-0.5 * LOG2E, DK**-0.5, **consts)
+    # Without a window, the first key tiles are seen by almost every query: split those query ranges so
+    # that no single program walks all of T (fixed split count: partial buffers stay linear in T).
+    nsplit = 1 if window > 0 else min(8, triton.cdiv(T, 4096))
+    dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
+    dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
+    if S > 0:
+        _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
+            q, k, v, do, lse, delta, dkp, dvp, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+            nsplit, **consts)
+    return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)

@@ -1,0 +1,102 @@
+"""Block importance + top-n selection per (token, KV head), streamed: no [T, Tc] or [T, Nb] tensor exists.
+
+A program owns BT tokens of one (batch, KV head) with all G query heads packed as rows (as in band.py). It
+walks the selection blocks in chunks of BJ blocks; for each chunk it recomputes, from q, K_cmp and the
+compressed branch's LSE, the probabilities of the CI compressed tokens that overlap those blocks
+(p = exp2(s - LSE), the compressed softmax exactly), sums them over the group's heads, and maps them to
+blocks with the eq. 9 overlap weights |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d (closed form, exact in fp32).
+
+The running top-n is merged chunk by chunk with int64 keys that pack (importance bits, ~block index): for
+non-negative floats the IEEE bit pattern is monotonic, so one integer comparison orders by importance and
+breaks ties towards the lower block index, which is the spec's rule. Forced blocks (0, current, previous)
+get +inf, non-candidates (blocks starting after t) key -1, which decodes to the unused index -1. Keys come
+out sorted by descending importance, the same order as torch_impl's stable sort.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_titan.kernels.band import LOG2E, pow2
+
+
+@triton.jit
+def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
+                   T, TC, NB, G, HKV, qk_scale,
+                   CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
+                   NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
+                   CI: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, DK: tl.constexpr,
+                   DKP: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    r = tl.arange(0, BT * GP)
+    t = pid_m * BT + r // GP
+    g = r % GP
+    h = kv * G + g
+    row_ok = (t < T) & (g < G)
+    dk = tl.arange(0, DKP)
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    tt = pid_m * BT + tl.arange(0, BT)  # the tile's tokens, one per output row
+    cur = tt // LP
+    col = tl.arange(0, NP)
+    jc = tl.arange(0, BJP)
+    ci = tl.arange(0, CI)
+    best = tl.full([BT, NP], -2, tl.int64)
+    nb_tile = tl.minimum((tl.minimum(pid_m * BT + BT, T) - 1) // LP + 1, NB)  # later blocks: no candidate
+    for j0 in range(0, nb_tile, BJ):
+        # Compressed tokens overlapping blocks j0 .. j0+BJ-1: i from j0*R - (LD-1), CI >= BJ*R + LD - 1 of them.
+        i = j0 * R - (LD - 1) + ci
+        imask = (i >= 0) & (i < TC)
+        kc = tl.load(KC + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
+                     mask=imask[:, None] & (dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        vis = (i[None, :] * CD + CL - 1 <= t[:, None]) & imask[None, :] & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
+        j = j0 + jc
+        lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
+        hi = tl.minimum(i[:, None] * CD + CL, (j[None, :] + 1) * LP)
+        w = (tl.maximum(hi - lo, 0) // CD).to(tl.float32)  # [CI, BJP] eq. 9 overlap in units of d
+        # Broadcast-and-sum rather than tl.dot: exact fp32 (a tf32 dot would create spurious near-ties).
+        imp = tl.sum(pg[:, :, None] * w[None, :, :], axis=1)  # [BT, BJP]
+        forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
+        imp = tl.where(forced, float("inf"), imp)
+        cand = (j[None, :] * LP <= tt[:, None]) & (jc[None, :] < BJ) & (j[None, :] < NB)
+        bits = imp.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(cand, (bits << 32) | (2147483647 - j[None, :]).to(tl.int64), -1)
+        merged = tl.full([BT, NP], -2, tl.int64)
+        for k in tl.static_range(NSEL):  # n extractions of the max from (running best ∪ chunk)
+            m = tl.maximum(tl.max(best, 1), tl.max(key, 1))
+            merged = tl.where(col[None, :] == k, m[:, None], merged)
+            best = tl.where(best == m[:, None], -2, best)
+            key = tl.where(key == m[:, None], -2, key)
+        best = merged
+    idx = tl.where(best >= 0, 2147483647 - (best & 0xFFFFFFFF), -1)
+    tl.store(IDX + ((b * HKV + kv) * T + tt[:, None]) * NSEL + col[None, :], idx,
+             mask=(tt[:, None] < T) & (col[None, :] < NSEL))
+
+
+def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int):
+    """q [B,T,HQ,Dk], k_cmp [B,Tc,HKV,Dk], lse [B,T,HQ] (band_fwd's) -> block_idx [B,HKV,T,n] int64."""
+    B, T, HQ, DK = q.shape
+    TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // HKV
+    nb = -(-T // slc_block)
+    idx = torch.empty(B, HKV, T, top_n, device=q.device, dtype=torch.int64)
+    if TC == 0:  # no compressed token yet: a one-row dummy keeps pointers valid, every score is masked
+        k_cmp = k_cmp.new_zeros(B, 1, HKV, DK)
+    R, LD = slc_block // cmp_stride, cmp_block // cmp_stride
+    gp = pow2(G)
+    bt = max(2, (128 if q.device.type == "cuda" else 64) // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
+    ci = 64 if DK <= 128 else 32
+    ci = max(ci, pow2(R + LD - 1))
+    bj = (ci - LD + 1) // R
+    _select_kernel[(triton.cdiv(T, bt), B * HKV)](
+        q, k_cmp, lse, idx, *q.stride()[:3], *k_cmp.stride()[:3], T, TC, nb, G, HKV, DK**-0.5 * LOG2E,
+        CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n, NP=pow2(top_n), BT=bt, GP=gp,
+        CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)), num_warps=8 if bt * gp >= 256 else 4)
+    return idx

@@ -1,0 +1,225 @@
+"""Selected-block attention in Triton, group-centric (the paper's kernel shape).
+
+Forward and dQ: one program per (token, batch, KV head) holds all G query heads of the group as the rows of
+one tile (padded to >= 16 for the MMA) and walks that token's n selected blocks; each K/V block is loaded
+once for the whole group. Keys s > t are masked, which only bites in the token's own block.
+
+dK/dV without atomics: the (block, token) pairs of block_idx are sorted by block (torch.sort on block*T + t,
+static shapes, no host sync), which gives for every block the ascending list of tokens that selected it and
+its segment offsets (searchsorted). One program per block then walks its list, so each dK/dV row is written by
+exactly one program in a fixed order: deterministic. Block 0 is forced for every token, so its list is all
+of 0..T-1; it is cut into P0 fixed segments whose fp32 partial sums are added afterwards, which keeps that
+one block from serialising T tokens in a single program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_titan.kernels.band import LOG2E, pow2
+
+
+@triton.jit
+def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+             T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
+             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    m_i = tl.full([GR], -1e30, tl.float32)
+    l_i = tl.zeros([GR], tl.float32)
+    acc = tl.zeros([GR, DVP], tl.float32)
+    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, NSEL, NPI):
+        slot = n0 + c // BS
+        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
+        s_pos = blk * LP + c % BS
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
+        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    ok = l_i > 0
+    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * sob + t * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
+    tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
+                GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """DO and DQ are contiguous [B, T, HQ, D]."""
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    dq = tl.zeros([GR, DKP], tl.float32)
+    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, NSEL, NPI):
+        slot = n0 + c // BS
+        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
+        s_pos = blk * LP + c % BS
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
+        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.where(kmask[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, TOK, OFF, DK_, DV_, PK, PV,
+                  sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                  T, NB, G, HKV, P0, CH0, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                  NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """Program pid < P0: segment pid of block 0 -> fp32 partial PK/PV[bh, pid]; else block pid - P0 + 1 -> DK_/DV_."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    is_b0 = pid < P0
+    blk = tl.where(is_b0, 0, pid - P0 + 1)
+    off_base = OFF + pid_bh.to(tl.int64) * (NB + 1)
+    two = tl.arange(0, 2)
+    seg = tl.load(off_base + blk + two)  # [start, end) of this block's token list
+    lo = tl.where(is_b0, pid * CH0, tl.sum(tl.where(two == 0, seg, 0)))
+    hi = tl.where(is_b0, tl.minimum(pid * CH0 + CH0, T), tl.sum(tl.where(two == 1, seg, 0)))
+    dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
+    s_pos = blk * LP + sj
+    kmask = (sj < LP) & (s_pos < T)
+    k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    r = tl.arange(0, BT * GP)
+    g = r % GP
+    h = kv * G + g
+    acc_k = tl.zeros([BS, DKP], tl.float32)
+    acc_v = tl.zeros([BS, DVP], tl.float32)
+    tok_base = TOK + pid_bh.to(tl.int64) * (T * NSEL)
+    for e0 in range(lo, hi, BT):
+        e = e0 + r // GP
+        row_ok = (e < hi) & (g < G)
+        t = tl.load(tok_base + e, mask=e < hi, other=0)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        row = (b * T + t) * (HKV * G) + h
+        do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        vis = (s_pos[None, :] <= t[:, None]) & kmask[None, :] & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    acc_k = acc_k * sm_scale
+    # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
+    own = (sj[:, None] * 0 + pid) >= P0
+    smask = kmask[:, None] & own
+    out_row = ((b * T + s_pos[:, None]) * HKV + kv)
+    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty),
+             mask=smask & (dk[None, :] < DK))
+    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty),
+             mask=smask & (dv[None, :] < DV))
+    p_row = (pid_bh.to(tl.int64) * P0 + pid) * BS + sj[:, None]
+    tl.store(PK + p_row * DK + dk[None, :], acc_k, mask=(dk[None, :] < DK) & ~own)
+    tl.store(PV + p_row * DV + dv[None, :], acc_v, mask=(dv[None, :] < DV) & ~own)
+
+
+def _npi(q, n):
+    # The interpreter pays per Triton op, not per element: take all n blocks in one step there.
+    return 1 if q.device.type == "cuda" else pow2(n)
+
+
+def _consts(q, k, v, lp, n):
+    G = q.shape[2] // k.shape[2]
+    DK, DV = q.shape[-1], v.shape[-1]
+    return G, dict(LP=lp, BS=pow2(max(lp, 16)), NSEL=n, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
+                   DVP=pow2(max(DV, 16)))
+
+
+def sel_fwd(q, k, v, block_idx, slc_block: int):
+    """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
+    B, T, HQ, DK = q.shape
+    HKV = k.shape[2]
+    G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
+    o = q.new_empty(B, T, HQ, v.shape[-1])
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                           *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)), NPI=_npi(q, n=block_idx.shape[-1]),
+                           **c, num_warps=4)
+    return o, lse
+
+
+def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int):
+    B, T, HQ, DK = q.shape
+    HKV, DV = k.shape[2], v.shape[-1]
+    n = block_idx.shape[-1]
+    G, c = _consts(q, k, v, slc_block, n)
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
+                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=_npi(q, n),
+                              **c, num_warps=4)
+    # Inverse index: sort (block, token) pairs by block; unused slots sort last (key nb*T).
+    nb = -(-T // slc_block)
+    t_ar = torch.arange(T, device=q.device).view(1, 1, T, 1)
+    key = torch.where(block_idx >= 0, block_idx * T + t_ar, nb * T).view(B * HKV, T * n)
+    key = torch.sort(key, dim=-1).values
+    bounds = (torch.arange(nb + 1, device=q.device) * T).expand(B * HKV, nb + 1).contiguous()
+    off = torch.searchsorted(key, bounds).to(torch.int32)
+    tok = (key % T).to(torch.int32)
+    ch0 = 1024
+    p0 = triton.cdiv(T, ch0)
+    bs = c["BS"]
+    # Every block >= 1 has its program (writing zeros when nobody chose it); block 0 comes from the partials.
+    dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
+    dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
+    pk = torch.empty(B * HKV, p0, bs, DK, device=q.device, dtype=torch.float32)
+    pv = torch.empty(B * HKV, p0, bs, DV, device=q.device, dtype=torch.float32)
+    gp = pow2(G)
+    bt = max(2, (64 if max(DK, DV) > 128 or q.device.type != "cuda" else 128) // gp)
+    _sel_bwd_dkdv[(p0 + nb - 1, B * HKV)](
+        q, k, v, do, lse, delta, tok, off, dk, dv, pk, pv, *strides, T, nb, G, HKV, p0, ch0,
+        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, num_warps=8 if bt * gp >= 128 else 4)
+    l0 = min(slc_block, T)
+    dk[:, :l0] = pk.sum(1)[:, :l0].view(B, HKV, l0, DK).transpose(1, 2).to(dk.dtype)
+    dv[:, :l0] = pv.sum(1)[:, :l0].view(B, HKV, l0, DV).transpose(1, 2).to(dv.dtype)
+    return dq, dk, dv
