@@ -14,9 +14,9 @@ from nsa_titan.config.manager import field_docs, section_fields, sections
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = {
-    "debug_model.toml": {"model.flavor": "debug", "training.seq_len": 1024, "training.local_batch_size": 4,
-                         "training.steps": 300, "optimizer.lr": 1e-3, "lr_scheduler.warmup_steps": 20,
-                         "training.mixed_precision": "bf16", "metrics.log_freq": 10, "metrics.val_freq": 100},
+    "debug_model.toml": {"model.flavor": "debug", "training.seq_len": 512, "training.local_batch_size": 4,
+                         "training.steps": 150, "optimizer.lr": 1e-3, "lr_scheduler.warmup_steps": 15,
+                         "training.mixed_precision": "bf16", "metrics.log_freq": 10, "metrics.val_freq": 50},
     "m7c_125m.toml": {"model.flavor": "m7c", "training.seq_len": 2048, "training.local_batch_size": 8,
                       "training.steps": 1000, "optimizer.lr": 6e-4},
     "nsa_1b.toml": {"model.flavor": "1b", "training.seq_len": 8192, "training.local_batch_size": 1,
