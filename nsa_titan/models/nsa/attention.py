@@ -95,8 +95,12 @@ class NSAAttention(nn.Module):
         self.wgate = nn.Linear(args.dim, args.n_heads * 3, bias=False)
         self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
 
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), gates."""
+    def project_raw(self, x, cos, sin):
+        """x [B, T, dim] -> q, (k_cmp_raw, v_cmp_raw), (k_slc, v_slc), (k_win, v_win), gates; nothing compressed.
+
+        Split from ``project`` so that incremental decoding (models/nsa/decode.py) can cache the raw
+        compression-branch keys and compress one block at a time with the same weights.
+        """
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         kv = self.wkv(x).view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
@@ -105,9 +109,13 @@ class NSAAttention(nn.Module):
         ks, vs = k.unbind(2), v.unbind(2)
         if self.n_kv_sets == 1:
             ks, vs = ks * 3, vs * 3
-        k_cmp, v_cmp = self.compress_k(ks[0]), self.compress_v(vs[0])
         gates = torch.sigmoid(self.wgate(x).float()).view(b, t, self.n_heads, 3)
-        return q, (k_cmp, v_cmp), (ks[1], vs[1]), (ks[2], vs[2]), gates
+        return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
+
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), gates."""
+        q, (k_raw, v_raw), slc, win, gates = self.project_raw(x, cos, sin)
+        return q, (self.compress_k(k_raw), self.compress_v(v_raw)), slc, win, gates
 
     def forward(self, x, cos, sin, return_blocks: bool = False):
         b, t, _ = x.shape
@@ -136,11 +144,19 @@ class DenseAttention(nn.Module):
         self.wkv = nn.Linear(args.dim, args.n_kv_heads * (args.head_dim + args.dv), bias=False)
         self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q [B, T, HQ, Dk], k [B, T, HKV, Dk] (both rotated), v [B, T, HKV, Dv].
+
+        Split from ``forward`` so that incremental decoding (models/nsa/decode.py) can fill a KV cache.
+        """
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         k, v = self.wkv(x).view(b, t, self.n_kv_heads, -1).split([self.head_dim, self.v_head_dim], dim=-1)
-        k = apply_rope(k, cos, sin)
+        return q, apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         # is_causal is safe here: queries and keys have the same length, so the mask is the usual one.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
