@@ -18,12 +18,12 @@ import time
 import pytest
 
 # (name, B, T, HQ, HKV, Dk, Dv, (l, d, l', n, w), dtype)
-CASES = [
-    ("g1_odd", 2, 77, 2, 2, 32, 32, (8, 4, 16, 4, 24), "float32"),
-    ("g2_dkdv", 1, 130, 4, 2, 48, 32, (8, 4, 16, 4, 20), "float32"),
-    ("g6_debug", 1, 101, 6, 1, 32, 32, (16, 8, 32, 3, 40), "float32"),
+CASES = [  # small T and few KV heads: the interpreter pays per program and per Triton op
+    ("g1_odd_b2", 2, 45, 1, 1, 32, 32, (8, 4, 8, 4, 12), "float32"),
+    ("g2_dk_ne_dv", 1, 70, 2, 1, 48, 32, (8, 4, 8, 4, 10), "float32"),
+    ("g6_l_lt_lp", 1, 80, 6, 1, 32, 32, (16, 8, 16, 3, 40), "float32"),
     ("g16_l_eq_lp", 1, 70, 16, 1, 32, 16, (8, 8, 8, 5, 12), "float32"),
-    ("g2_fp16", 1, 93, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float16"),
+    ("g2_fp16", 1, 61, 4, 2, 32, 32, (8, 4, 8, 4, 24), "float16"),
     ("short_T", 1, 5, 2, 1, 32, 32, (8, 4, 16, 4, 24), "float32"),  # T < l: no compressed token
 ]
 TOL = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 2e-2}

@@ -233,6 +233,10 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int):
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
+        # dK/dV keeps q, dO (per query tile) and k, v, two accumulators resident: at head dim >= 128 a
+        # 128-row query tile with 3 pipeline stages overflows the 227 KB of shared memory (seen on H200).
+        if max(DK, DV) >= 128 and q.device.type == "cuda":
+            consts.update(BT=max(1, 64 // gp), num_warps=4, num_stages=2)
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
             q, k, v, do, lse, delta, dkp, dvp, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, **consts)

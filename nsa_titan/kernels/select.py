@@ -45,7 +45,9 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
     col = tl.arange(0, NP)
     jc = tl.arange(0, BJP)
     ci = tl.arange(0, CI)
-    best = tl.full([BT, NP], -2, tl.int64)
+    # Running top-n as an unordered set; empty slots hold distinct negative keys (one slot replaced per
+    # insertion), and the NP - n padding slots hold +inf-like keys so that they are never the minimum.
+    best = tl.where(col[None, :] < NSEL, -2 - col[None, :].to(tl.int64), 2**62) + tl.zeros([BT, NP], tl.int64)
     nb_tile = tl.minimum((tl.minimum(pid_m * BT + BT, T) - 1) // LP + 1, NB)  # later blocks: no candidate
     for j0 in range(0, nb_tile, BJ):
         # Compressed tokens overlapping blocks j0 .. j0+BJ-1: i from j0*R - (LD-1), CI >= BJ*R + LD - 1 of them.
@@ -68,13 +70,24 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
         cand = (j[None, :] * LP <= tt[:, None]) & (jc[None, :] < BJ) & (j[None, :] < NB)
         bits = imp.to(tl.int32, bitcast=True).to(tl.int64)
         key = tl.where(cand, (bits << 32) | (2147483647 - j[None, :]).to(tl.int64), -1)
-        merged = tl.full([BT, NP], -2, tl.int64)
-        for k in tl.static_range(NSEL):  # n extractions of the max from (running best ∪ chunk)
-            m = tl.maximum(tl.max(best, 1), tl.max(key, 1))
-            merged = tl.where(col[None, :] == k, m[:, None], merged)
-            best = tl.where(best == m[:, None], -2, best)
-            key = tl.where(key == m[:, None], -2, key)
-        best = merged
+        # Insert the chunk's keys that beat the row's current n-th best, largest first; the loop runs only
+        # as often as the most improved row of the tile needs (late chunks rarely improve anything).
+        kth = tl.min(best, 1)
+        n_in = tl.max(tl.sum(((key > kth[:, None]) & (key >= 0)).to(tl.int32), 1))
+        for _ in range(tl.minimum(n_in, NSEL)):
+            m = tl.max(key, 1)
+            kth = tl.min(best, 1)
+            # Only candidates (key >= 0) go in: keys stay unique, so exactly one slot (the minimum) is replaced.
+            best = tl.where((best == kth[:, None]) & ((m > kth) & (m >= 0))[:, None], m[:, None], best)
+            key = tl.where(key == m[:, None], -(2**62), key)
+    # Order the n kept keys by descending key (importance, then lower index): n extractions of the max.
+    out = tl.full([BT, NP], -1, tl.int64)
+    best = tl.where(col[None, :] < NSEL, best, -(2**62))
+    for k in tl.static_range(NSEL):
+        m = tl.max(best, 1)
+        out = tl.where(col[None, :] == k, m[:, None], out)
+        best = tl.where(best == m[:, None], -(2**62), best)
+    best = out
     idx = tl.where(best >= 0, 2147483647 - (best & 0xFFFFFFFF), -1)
     tl.store(IDX + ((b * HKV + kv) * T + tt[:, None]) * NSEL + col[None, :], idx,
              mask=(tt[:, None] < T) & (col[None, :] < NSEL))

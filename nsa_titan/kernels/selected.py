@@ -161,9 +161,13 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, TOK, OFF, DK_, DV_, PK, PV,
     tl.store(PV + p_row * DV + dv[None, :], acc_v, mask=(dv[None, :] < DV) & ~own)
 
 
-def _npi(q, n):
-    # The interpreter pays per Triton op, not per element: take all n blocks in one step there.
-    return 1 if q.device.type == "cuda" else pow2(n)
+def _npi(q, v, n, lp):
+    """Selected blocks per loop step. The interpreter pays per Triton op, not per element: all n at once.
+    On the GPU two 64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V tiles
+    still fit shared memory for head dims <= 128."""
+    if q.device.type != "cuda":
+        return pow2(n)
+    return 2 if pow2(lp) <= 64 and max(q.shape[-1], v.shape[-1]) <= 128 else 1
 
 
 def _consts(q, k, v, lp, n):
@@ -173,7 +177,7 @@ def _consts(q, k, v, lp, n):
                    DVP=pow2(max(DV, 16)))
 
 
-def sel_fwd(q, k, v, block_idx, slc_block: int):
+def sel_fwd(q, k, v, block_idx, slc_block: int, npi: int | None = None):
     """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
@@ -181,8 +185,9 @@ def sel_fwd(q, k, v, block_idx, slc_block: int):
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                           *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)), NPI=_npi(q, n=block_idx.shape[-1]),
-                           **c, num_warps=4)
+                           *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)),
+                           NPI=npi or _npi(q, v, block_idx.shape[-1], slc_block), **c, num_warps=4,
+                           num_stages=2)
     return o, lse
 
 
@@ -196,8 +201,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int):
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
     _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
-                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=_npi(q, n),
-                              **c, num_warps=4)
+                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)),
+                              NPI=_npi(q, v, n, slc_block), **c, num_warps=4, num_stages=2)
     # Inverse index: sort (block, token) pairs by block; unused slots sort last (key nb*T).
     nb = -(-T // slc_block)
     t_ar = torch.arange(T, device=q.device).view(1, 1, T, 1)
@@ -215,10 +220,12 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int):
     pk = torch.empty(B * HKV, p0, bs, DK, device=q.device, dtype=torch.float32)
     pv = torch.empty(B * HKV, p0, bs, DV, device=q.device, dtype=torch.float32)
     gp = pow2(G)
-    bt = max(2, (64 if max(DK, DV) > 128 or q.device.type != "cuda" else 128) // gp)
+    big = max(DK, DV) >= 128 or q.device.type != "cuda"  # 64 query rows: fits shared memory at D >= 128
+    bt = max(2, (64 if big else 128) // gp)
     _sel_bwd_dkdv[(p0 + nb - 1, B * HKV)](
         q, k, v, do, lse, delta, tok, off, dk, dv, pk, pv, *strides, T, nb, G, HKV, p0, ch0,
-        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, num_warps=8 if bt * gp >= 128 else 4)
+        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, num_warps=8 if bt * gp >= 128 else 4,
+        num_stages=2)
     l0 = min(slc_block, T)
     dk[:, :l0] = pk.sum(1)[:, :l0].view(B, HKV, l0, DK).transpose(1, 2).to(dk.dtype)
     dv[:, :l0] = pv.sum(1)[:, :l0].view(B, HKV, l0, DV).transpose(1, 2).to(dv.dtype)

@@ -1,0 +1,343 @@
+"""NSA Triton kernels on a GPU: correctness vs float64 (bf16 inputs) and speed vs SDPA full causal attention.
+
+    python benchmarks/bench_attention.py [--check] [--bench] [--breakdown] [--out DIR] [--quick]
+
+--check: every output and gradient of nsa_titan.kernels.nsa_attention on bf16 inputs against a float64
+  computation of the spec (reference.py's rules) done in query chunks, so that 64k fits (the dense reference
+  is O(T^2)). The selected branch of the float64 side uses the kernel's own block indices (a near-tie may
+  legitimately flip between bf16 and float64); the selection itself is checked separately: in float64, no
+  unchosen candidate may beat a chosen free block by more than a small tolerance.
+--bench: forward and forward+backward times (median of triton.testing.do_bench), peak memory per case, for
+  the paper config (HQ64/HKV4/D128, l=32, d=16, l'=64, n=16, w=512) and m7c (HQ12/HKV2/D64), T = 4k..64k,
+  next to SDPA full causal attention (and fla-core's parallel_nsa when importable).
+--breakdown: per-operator times at the largest T of the paper config.
+Writes attention_<device>.json and .md to benchmarks/results/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nsa_titan.kernels import nsa_attention, ops, selected  # noqa: E402
+from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
+from nsa_titan.models.nsa.torch_impl import overlap_weights  # noqa: E402
+
+PAPER = dict(HQ=64, HKV=4, DK=128, DV=128, p=NSAParams(32, 16, 64, 16, 512))
+M7C = dict(HQ=12, HKV=2, DK=64, DV=64, p=NSAParams(32, 16, 64, 16, 512))
+
+
+def make_inputs(B, T, HQ, HKV, DK, DV, p, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tc = p.num_cmp_tokens(T)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+
+    return [r(B, T, HQ, DK), r(B, tc, HKV, DK), r(B, tc, HKV, DV), r(B, T, HKV, DK), r(B, T, HKV, DV),
+            r(B, T, HKV, DK), r(B, T, HKV, DV), torch.rand(B, T, HQ, 3, device="cuda", generator=g)]
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B,C,HQ,D] float64, k/v [B,S,HKV,D], mask [B or 1, HKV or 1, C, S] -> [B,C,HQ,Dv] (0 where empty)."""
+    B, C, HQ, _ = q.shape
+    HKV = k.shape[2]
+    qh = q.view(B, C, HKV, HQ // HKV, -1).permute(0, 2, 3, 1, 4)  # [B,HKV,G,C,D]
+    s = torch.einsum("bhgcd,bshd->bhgcs", qh, k) * scale
+    s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(s - m)
+    den = w.sum(-1, keepdim=True)
+    pr = w / torch.where(den > 0, den, torch.ones_like(den))
+    o = torch.einsum("bhgcs,bshd->bhgcd", pr, v)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, -1), pr
+
+
+def chunked_reference(ins, idx, dout, p, chunk):
+    """Float64 outputs and gradients of the spec (with the given block indices), query chunk by chunk."""
+    xs = [x.detach().double().requires_grad_(True) for x in ins]
+    q, kc, vc, ks, vs, kw, vw, gates = xs
+    B, T, HQ, DK = q.shape
+    HKV = ks.shape[2]
+    scale = DK**-0.5
+    nb = p.num_slc_blocks(T)
+    tc = kc.shape[1]
+    w_ov = overlap_weights(T, p, q.device, torch.float64)  # [Tc, Nb]
+    outs, worst_gap, same_rows = [], 0.0, 0
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        tt = torch.arange(t0, t1, device=q.device)
+        qc = q[:, t0:t1]
+        if tc:
+            vis = (torch.arange(tc, device=q.device)[None, :] * p.cmp_stride + p.cmp_block - 1 <= tt[:, None])
+            o_c, pr = _attend(qc, kc, vc, vis[None, None], scale)
+            # Selection check in float64: importance of each block, summed over the group's heads.
+            with torch.no_grad():
+                imp = pr.sum(2) @ w_ov  # [B,HKV,C,Nb]
+                sel = torch.zeros(B, HKV, t1 - t0, nb + 1, dtype=torch.bool, device=q.device)
+                my = idx[:, :, t0:t1]
+                sel.scatter_(-1, torch.where(my < 0, nb, my), True)
+                sel = sel[..., :nb]
+                j = torch.arange(nb, device=q.device)
+                cur = (tt // p.slc_block)[:, None]
+                forced = (j == 0) | (j == cur) | (j == cur - 1)
+                cand = j * p.slc_block <= tt[:, None]
+                free_min = torch.where(sel & ~forced, imp, float("inf")).amin(-1)
+                other_max = torch.where(~sel & cand, imp, float("-inf")).amax(-1)
+                gap = (other_max - free_min).clamp_min(0) / imp.amax(-1).clamp_min(1e-30)
+                worst_gap = max(worst_gap, float(gap.max()))
+                ref_key = torch.where(forced & cand, float("inf"), torch.where(cand, imp, float("-inf")))
+                if nb < p.slc_top_n:
+                    ref_key = F.pad(ref_key, (0, p.slc_top_n - nb), value=float("-inf"))
+                top = torch.sort(ref_key, dim=-1, descending=True, stable=True)
+                ref_idx = torch.where(top.values[..., : p.slc_top_n] > float("-inf"),
+                                      top.indices[..., : p.slc_top_n], -1)
+                same_rows += int((torch.sort(ref_idx, -1).values == torch.sort(my, -1).values).all(-1).sum())
+        else:
+            o_c = torch.zeros(B, t1 - t0, HQ, vc.shape[-1], device=q.device, dtype=torch.float64)
+        s_ar = torch.arange(T, device=q.device)
+        causal = s_ar[None, :] <= tt[:, None]
+        blk_sel = torch.zeros(B, HKV, t1 - t0, nb + 1, dtype=torch.bool, device=q.device)
+        my = idx[:, :, t0:t1]
+        blk_sel.scatter_(-1, torch.where(my < 0, nb, my), True)
+        m_s = blk_sel[..., s_ar // p.slc_block] & causal
+        o_s, _ = _attend(qc, ks, vs, m_s, scale)
+        m_w = causal & (s_ar[None, :] > tt[:, None] - p.window)
+        o_w, _ = _attend(qc, kw, vw, m_w[None, None], scale)
+        g = gates[:, t0:t1].unsqueeze(-1)
+        o = g[..., 0, :] * o_c + g[..., 1, :] * o_s + g[..., 2, :] * o_w
+        o.backward(dout[:, t0:t1].double())
+        outs.append(o.detach())
+    rows = B * HKV * T
+    return torch.cat(outs, 1), [x.grad for x in xs], worst_gap, same_rows / rows
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check(cases):
+    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    results = []
+    for case in cases:
+        try:
+            results.append(check_one(*case, names))
+        except Exception as e:  # keep going: one failing shape must not hide the others
+            print(f"check {case[:6]} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            results.append(dict(B=case[0], T=case[1], HQ=case[2], HKV=case[3], DK=case[4], DV=case[5], ok=False,
+                                worst=float("nan"), deterministic=False, sel_max_gap=float("nan"),
+                                sel_same_rows=0.0, error=str(e)[:400]))
+        torch.cuda.empty_cache()
+    return results
+
+
+def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names):
+    if True:
+        ins = make_inputs(B, T, HQ, HKV, DK, DV, p, seed=T + HQ)
+        xs = [x.detach().requires_grad_(True) for x in ins]
+        dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+        out, idx = nsa_attention(*xs, p)
+        out.backward(dout)
+        grads = [x.grad for x in xs]
+        xs2 = [x.detach().requires_grad_(True) for x in ins]
+        out2, _ = nsa_attention(*xs2, p)
+        out2.backward(dout)
+        determ = all(torch.equal(a, b.grad) for a, b in zip(grads, xs2))
+        ref, rgrads, gap, same = chunked_reference(ins, idx, dout, p, chunk)
+        errs = {"out": rel(out, ref)}
+        errs.update({"d" + n: rel(g, r) for n, g, r in zip(names, grads, rgrads)})
+        finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(out).all())
+        ok = max(errs.values()) < 1e-2 and finite and determ and gap < 1e-2
+        row = dict(B=B, T=T, HQ=HQ, HKV=HKV, DK=DK, DV=DV, ok=ok, worst=max(errs.values()), errs=errs,
+                   deterministic=determ, sel_max_gap=gap, sel_same_rows=same)
+        print(f"check B={B} T={T} HQ={HQ} HKV={HKV} Dk={DK} Dv={DV}: ok={ok} worst={row['worst']:.2e} "
+              f"det={determ} sel_gap={gap:.1e} sel_same={same:.4f}", flush=True)
+        return row
+
+
+def bench_one(fn, grad_inputs, dout, bwd):
+    from triton.testing import do_bench
+
+    def run():
+        out = fn()
+        if bwd:
+            out.backward(dout)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = do_bench(run, warmup=25, rep=100, grad_to_none=grad_inputs if bwd else None, return_mode="median")
+    return ms, peak
+
+
+def flops(T, cfg, fwd_only):
+    """Attention FLOPs NSA really does (causal halves counted), fwd; bwd = 2.5x attention + select recompute."""
+    p, HQ, DK, DV = cfg["p"], cfg["HQ"], cfg["DK"], cfg["DV"]
+    tc = p.num_cmp_tokens(T)
+    cmp_ = T * tc / 2 * HQ * (DK + DV) * 2
+    slc = T * min(p.slc_top_n * p.slc_block, T / 2) * HQ * (DK + DV) * 2
+    win = T * min(p.window, T / 2) * HQ * (DK + DV) * 2
+    sel = T * tc / 2 * HQ * DK * 2
+    f = cmp_ + slc + win + sel
+    return f if fwd_only else f + 2.5 * (cmp_ + slc + win)
+
+
+def bench(cfgs, Ts):
+    rows = []
+    try:
+        from fla.ops.nsa import parallel_nsa  # noqa: F401  (optional comparison)
+        have_fla = True
+    except Exception:
+        have_fla = False
+    for cname, cfg in cfgs:
+        for T in Ts:
+            HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
+            ins = [x.requires_grad_(True) for x in make_inputs(1, T, HQ, HKV, DK, DV, p)]
+            dout = torch.randn(1, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+            row = dict(config=cname, T=T)
+            try:
+                for bwd in (False, True):
+                    ms, mem = bench_one(lambda: nsa_attention(*ins, p)[0], ins, dout, bwd)  # noqa: B023
+                    row["nsa_fwdbwd_ms" if bwd else "nsa_fwd_ms"] = ms
+                    row["nsa_fwdbwd_GiB" if bwd else "nsa_fwd_GiB"] = mem
+                    row["nsa_fwdbwd_TFLOPs" if bwd else "nsa_fwd_TFLOPs"] = flops(T, cfg, not bwd) / ms / 1e9
+            except Exception as e:  # OOM or a kernel failure: record it, keep benchmarking
+                row["nsa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            q, k, v = ins[0], ins[3], ins[4]
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True, enable_gqa=True)
+
+            try:
+                for bwd in (False, True):
+                    ms, mem = bench_one(sdpa, [q, k, v], dout.transpose(1, 2), bwd)
+                    row["sdpa_fwdbwd_ms" if bwd else "sdpa_fwd_ms"] = ms
+                    row["sdpa_fwdbwd_GiB" if bwd else "sdpa_fwd_GiB"] = mem
+            except Exception as e:
+                row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if "nsa_fwdbwd_ms" in row and "sdpa_fwdbwd_ms" in row:
+                row["speedup_fwd"] = row["sdpa_fwd_ms"] / row["nsa_fwd_ms"]
+                row["speedup_fwdbwd"] = row["sdpa_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
+            row["fla_parallel_nsa"] = "not installed" if not have_fla else "not run"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del ins, dout, q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def breakdown(cfg, T):
+    """Per-operator times (ms) for one paper-config call, to see which kernel bounds the total."""
+    from triton.testing import do_bench
+
+    HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
+    q, kc, vc, ks, vs, kw, vw, gates = make_inputs(1, T, HQ, HKV, DK, DV, p)
+    o_c, lse = ops.band_attn(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
+    idx = ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+    o_s, lse_s = ops.sel_attn(q, ks, vs, idx, p.slc_block)
+    o_w, lse_w = ops.band_attn(q, kw, vw, 1, 0, p.window)
+    do = torch.randn_like(o_c)
+    fns = {
+        "cmp_fwd": lambda: ops.band_attn(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0),
+        "cmp_bwd": lambda: ops.band_attn_bwd(do, q, kc, vc, o_c, lse, p.cmp_stride, p.cmp_block - 1, 0),
+        "select": lambda: ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
+        "slc_fwd": lambda: ops.sel_attn(q, ks, vs, idx, p.slc_block),
+        "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, npi=1),
+        "slc_bwd": lambda: ops.sel_attn_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
+        "win_fwd": lambda: ops.band_attn(q, kw, vw, 1, 0, p.window),
+        "win_bwd": lambda: ops.band_attn_bwd(do, q, kw, vw, o_w, lse_w, 1, 0, p.window),
+    }
+    out = {}
+    for k, f in fns.items():
+        try:
+            out[k] = do_bench(f, warmup=10, rep=50, return_mode="median")
+        except Exception as e:
+            print("breakdown", k, "FAILED", type(e).__name__, str(e)[:200], flush=True)
+    print("breakdown", T, json.dumps({k: round(v, 3) for k, v in out.items()}), flush=True)
+    return out
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write(out_dir, payload):
+    os.makedirs(out_dir, exist_ok=True)
+    tag = payload["device"].replace(" ", "_").replace("/", "_")
+    base = os.path.join(out_dir, f"attention_{tag}")
+    with open(base + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    lines = [f"# NSA attention kernels: {payload['device']}", "",
+             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; B=1, bf16, "
+             "median of triton.testing.do_bench; memory = peak allocated above the inputs (GiB).", ""]
+    if payload.get("bench"):
+        lines += ["| config | T | NSA fwd ms | NSA fwd+bwd ms | SDPA fwd ms | SDPA fwd+bwd ms | fwd x | "
+                  "fwd+bwd x | NSA TFLOP/s (f+b) | NSA GiB (f+b) | SDPA GiB (f+b) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in payload["bench"]:
+            g = r.get
+            lines.append(f"| {r['config']} | {r['T']} | {fmt(g('nsa_fwd_ms'))} | {fmt(g('nsa_fwdbwd_ms'))} | "
+                         f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
+                         f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "
+                         f"{fmt(g('nsa_fwdbwd_GiB'))} | {fmt(g('sdpa_fwdbwd_GiB'))} |")
+    if payload.get("breakdown"):
+        lines += ["", "Per-operator ms (paper config): " + json.dumps(
+            {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in payload["breakdown"].items()})]
+    if payload.get("check"):
+        lines += ["", "| check (bf16 vs float64) | ok | worst rel err | deterministic | sel gap | sel same rows |",
+                  "|---|---|---|---|---|---|"]
+        for r in payload["check"]:
+            lines.append(f"| B={r['B']} T={r['T']} HQ={r['HQ']} HKV={r['HKV']} Dk={r['DK']} Dv={r['DV']} | "
+                         f"{r['ok']} | {r['worst']:.2e} | {r['deterministic']} | {r['sel_max_gap']:.1e} | "
+                         f"{r['sel_same_rows']:.4f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args()
+    import triton
+
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    if a.check:
+        cases = [(2, 1000, 8, 2, 64, 64, NSAParams(32, 16, 64, 16, 512), 1000),
+                 (1, 1531, 6, 6, 32, 32, NSAParams(16, 8, 32, 4, 64), 1531),  # G=1, odd T
+                 (1, 4099, 32, 1, 192, 128, NSAParams(32, 16, 64, 16, 512), 512),  # G=32, Dk != Dv
+                 (1, 8192, 64, 4, 128, 128, PAPER["p"], 256),
+                 (1, 16384, 12, 2, 64, 64, M7C["p"], 1024)]
+        if not a.quick:
+            cases.append((1, 65536, 16, 1, 128, 128, PAPER["p"], 512))
+        payload["check"] = check(cases)
+    if a.bench:
+        Ts = [4096, 16384, 65536] if a.quick else [4096, 8192, 16384, 32768, 65536]
+        payload["bench"] = bench([("paper", PAPER), ("m7c", M7C)], Ts)
+    if a.breakdown:
+        payload["breakdown"] = {f"paper_T{T}": breakdown(PAPER, T) for T in (8192, 65536)}
+        payload["breakdown"]["m7c_T32768"] = breakdown(M7C, 32768)
+    write(a.out, payload)
+
+
+if __name__ == "__main__":
+    main()
