@@ -210,6 +210,13 @@ class Data:
         if self.dataset in ("text_files", "hf"):
             _check(bool(self.path), "data.path", f"is required for data.dataset={self.dataset!r}; "
                    "pass --data.path (a folder/glob of text files, or a dataset name)")
+        if self.path and self.dataset in ("text_files", "retrieval"):
+            import glob
+            import os
+
+            # Checked here so that a typo fails at start-up, not after the model is built on the GPU.
+            _check(os.path.exists(self.path) or bool(glob.glob(self.path)), "data.path",
+                   f"{self.path!r} does not exist and matches no files; pass a text file, a folder or a glob")
         _check(bool(self.tokenizer), "data.tokenizer", "must not be empty; use 'byte' or a tokenizer.json path")
         _check(0 <= self.val_fraction < 1, "data.val_fraction",
                f"must be in [0, 1), got {self.val_fraction}; e.g. --data.val_fraction 0.01")
@@ -252,6 +259,88 @@ class Compile:
 
 
 @dataclass
+class Checkpoint:
+    """Checkpoints (torch.distributed.checkpoint) that resume exactly, and a model-only export."""
+
+    enable: bool = False
+    """Save checkpoints to job.dump_folder/<folder> and resume from the newest one there (see resume_from)."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to job.dump_folder (or an absolute path)."""
+    interval: int = 500
+    """Save every this many steps."""
+    save_at_end: bool = True
+    """Also save after the last step."""
+    keep_latest_k: int = 3
+    """Keep the newest k complete checkpoints and delete older ones (0: keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """'async': copy the state to host memory, then write it in a background thread while training goes
+    on (costs a host copy of the model and optimizer state)."""
+    resume_from: str = "latest"
+    """'latest': the newest complete checkpoint in the folder, if any (needs checkpoint.enable; corrupt or
+    partial ones are reported and skipped); 'none': start fresh; or a checkpoint folder (a path, or a name
+    such as step-00000100 inside the folder), which must be complete."""
+    export_at_end: bool = False
+    """After the last step, also write model.safetensors (Hugging Face style names) + config.json for
+    inference into <folder>/export-step-N (needs the `safetensors` package)."""
+    export_dtype: Literal["bf16", "fp32"] = "bf16"
+    """dtype of the exported weights."""
+
+    def validate(self) -> None:
+        _check(bool(self.folder), "checkpoint.folder", "must not be empty; e.g. --checkpoint.folder checkpoints")
+        _check(self.interval >= 1, "checkpoint.interval", f"must be >= 1 (steps), got {self.interval}")
+        _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k",
+               f"must be >= 0 (0 keeps every checkpoint), got {self.keep_latest_k}")
+        _check(bool(str(self.resume_from).strip()), "checkpoint.resume_from",
+               "must not be empty; use 'latest', 'none' or a checkpoint folder")
+        if self.export_at_end:
+            import importlib.util
+
+            _check(importlib.util.find_spec("safetensors") is not None, "checkpoint.export_at_end",
+                   "needs the `safetensors` package: pip install safetensors (or drop --checkpoint.export_at_end)")
+
+
+@dataclass
+class Fault:
+    """Failure handling: non-finite loss / grad-norm guard, hang watchdog, heartbeats, collective timeout."""
+
+    nonfinite: Literal["stop", "skip", "off"] = "stop"
+    """Non-finite loss or grad norm: 'stop' (drop the update, then at the next log or checkpoint step save
+    the last good state and exit with code 3, naming the step), 'skip' (drop that step's update and go
+    on) or 'off'. Checked on device through the fused AdamW kernel (so the optimizer is fused when on)."""
+    nonfinite_check_every_step: bool = False
+    """Read the non-finite flag after every step, so 'stop' stops at the bad step itself; costs one host
+    sync per step (the CPU can no longer run ahead of the GPU)."""
+    nonfinite_max_skips: int = 10
+    """With 'skip': more skipped steps than this end the run as 'stop' does (0: no limit)."""
+    watchdog_timeout_s: float = 600.0
+    """Dump every thread's stack (and the NCCL flight recorder) and exit with code 4 when no step finishes
+    for this long (0: off). Must cover a checkpoint save and an evaluation."""
+    watchdog_first_step_timeout_s: float = 1800.0
+    """The same limit before the first step finishes (start-up, compilation)."""
+    heartbeat_interval_s: float = 10.0
+    """Each rank rewrites job.dump_folder/heartbeat/rank<r>.json this often."""
+    peer_timeout_s: float = 120.0
+    """A rank whose heartbeat is older than this is taken for dead, and the others exit (code 5) with a
+    message naming it."""
+    collective_timeout_s: float = 900.0
+    """Timeout of the process group's collectives (init_process_group(timeout=...)): a collective that
+    waits longer fails instead of hanging."""
+
+    def validate(self) -> None:
+        _check(self.nonfinite_max_skips >= 0, "fault.nonfinite_max_skips",
+               f"must be >= 0 (0: no limit), got {self.nonfinite_max_skips}")
+        for name in ("watchdog_timeout_s", "watchdog_first_step_timeout_s"):
+            value = getattr(self, name)
+            _check(value >= 0 and math.isfinite(value), f"fault.{name}", f"must be >= 0 seconds (0: off), got {value}")
+        for name in ("heartbeat_interval_s", "peer_timeout_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            _check(value > 0 and math.isfinite(value), f"fault.{name}", f"must be > 0 seconds, got {value}")
+        _check(self.peer_timeout_s >= 2 * self.heartbeat_interval_s, "fault.peer_timeout_s",
+               f"({self.peer_timeout_s}) must be at least twice fault.heartbeat_interval_s "
+               f"({self.heartbeat_interval_s}), or live ranks would be taken for dead")
+
+
+@dataclass
 class JobConfig:
     """The whole job: one field per TOML section."""
 
@@ -263,6 +352,8 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fault: Fault = field(default_factory=Fault)
 
     def validate(self) -> None:
         """Each section's own checks, then the ones that span sections."""
