@@ -12,9 +12,10 @@ cd "$REPO_ROOT"
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
-# triton: CPU-interpreter tests of the kernels; tensorboard stays optional (its tests skip without it).
+# triton: CPU-interpreter tests of the kernels; safetensors: the model-export tests; tensorboard stays
+# optional (its tests skip without it).
 missing=()
-for mod in pytest triton numpy; do
+for mod in pytest triton numpy safetensors; do
   "$PYTHON" -c "import $mod" >/dev/null 2>&1 || missing+=("$mod")
 done
 if (( ${#missing[@]} )); then

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nsa_titan.components.lr_scheduler import build_lr_scheduler
+from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective_failure_hint
+from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
     World,
     autocast_context,
@@ -110,9 +112,10 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run training; returns the summary dict (rank 0; other ranks get {})."""
+def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Run training; returns the summary dict (rank 0; other ranks get {}). ``hooks``: fault injection (tests)."""
     job_config = load_job_config(argv)
+    validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
     world = world_from_env()
     tc, mc = job_config.training, job_config.metrics
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tokenizer = build_tokenizer(job_config.data.tokenizer)
     model_args = resolve_model_args(job_config, tokenizer.vocab_size)
+    # Checkpointing + failure handling; checks the resume source now, before the model is built.
+    res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
+                     log=functools.partial(_print0, world), hooks=hooks)
     model = build_training_model(job_config, model_args, device, world)
     flops_per_token = training_flops_per_token(model_args, tc.seq_len)
     model_info = {
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    f"device {device_name(device)}")
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, job_config.optimizer, device.type)
+    optimizer = build_optimizer(model, job_config.optimizer, device.type, require_fused=res.needs_fused_optimizer)
     scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
     # Common seed on every rank: the loader shards by its explicit rank argument, and a per-rank seed
     # would give ranks different document orders, i.e. overlapping shards.
@@ -152,33 +158,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
 
+    first_step = res.start(model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader, device=device)
     dump = Path(job_config.job.dump_folder)
     logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
-                           rank=world.rank, flops_per_token=flops_per_token)
+                           rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen)
     _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
                    f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s)")
-    steps_done, interrupted = 0, False
+    steps_done, interrupted, error = first_step - 1, False, None
     try:
-        for step in range(1, tc.steps + 1):
+        for step in range(first_step, tc.steps + 1):
+            res.step_start(step)
             micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]  # host-side data work
             logger.step_start()
             micro_batches = [move_batch(mb, device) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
             loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
-                                         max_norm=tc.max_norm, autocast=autocast)
-            logger.step_end(step, loss, grad_norm, num_tokens=sum(mb["input"].numel() for mb in micro_batches))
+                                         max_norm=tc.max_norm, autocast=autocast,
+                                         before_optimizer_step=res.before_optimizer_step)
+            num_tokens = sum(mb["input"].numel() for mb in micro_batches)
+            logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)
             steps_done = step
-            if logger.should_log(step):
+            log_step = logger.should_log(step)
+            if log_step:
                 logger.log(step, lr)
+            with logger.paused():  # non-finite check on log steps, checkpoint saves
+                res.step_end(step, num_tokens, log_step=log_step)
             if val_batches and (step % mc.val_freq == 0 or step == tc.steps):
                 with logger.paused():
                     logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
                                                   retrieval_fn=retrieval_fn))
-    except KeyboardInterrupt:
-        interrupted = True
+                res.progress()
+        res.finish()  # wait for a background save; model export
+    except KeyboardInterrupt as e:
+        interrupted, error = True, e
         _print0(world, f"interrupted after {steps_done} completed step(s); writing the summary")
+    except BaseException as e:
+        error = e
+        hint = collective_failure_hint(e, world.world_size)
+        if hint:
+            print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
+        raise
     finally:
         logger.close()
+        res.close(error)
 
     if not world.is_main:
         return {}
@@ -196,4 +218,7 @@ if __name__ == "__main__":
     except ConfigError as e:  # a settings mistake: the message names the key and the fix; no traceback
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingFailure as e:  # detected by the trainer (e.g. a non-finite loss): the message says what to do
+        print(f"training stopped: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     sys.exit(130 if result.get("interrupted") else 0)

@@ -138,6 +138,7 @@ class MetricsLogger:
         busy_timer: BusyTimer | None = None,
         print_fn: Callable[[str], None] | None = None,
         busy_warn_threshold: float = 0.9,
+        tokens_seen: int = 0,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -155,7 +156,7 @@ class MetricsLogger:
         self.records: list[dict[str, Any]] = []
         self.val_records: list[dict[str, Any]] = []
         self._t0: float | None = None
-        self._tokens_total = 0
+        self._tokens_total = int(tokens_seen)  # > 0 when resuming: the count continues from the checkpoint
         self._reset_window(start=None)
 
         self._jsonl = None

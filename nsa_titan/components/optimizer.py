@@ -51,7 +51,9 @@ def resolve_fused(fused: Any, device_type: str) -> bool:
     return fused and device_type == "cuda"
 
 
-def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str, *, require_fused: bool = False) -> torch.optim.AdamW:
+    """``require_fused``: use the fused kernel on any device (torch has it on CPU too) unless the config says
+    fused=false, which is then an error: the non-finite guard drops bad updates through its found_inf input."""
     name = str(opt_cfg.name).lower()
     if name not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
@@ -61,9 +63,15 @@ def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str) -> torch.o
     betas = tuple(float(b) for b in opt_cfg.betas)
     if len(betas) != 2:
         raise ValueError(f"optimizer.betas must have 2 values, got {list(opt_cfg.betas)}")
-    if opt_cfg.fused is True and device_type != "cuda":
-        warnings.warn(f"optimizer.fused=true ignored on device type {device_type!r}; using foreach AdamW")
-    fused = resolve_fused(opt_cfg.fused, device_type)
+    if require_fused:
+        if not resolve_fused(opt_cfg.fused, "cuda"):
+            raise ValueError("optimizer.fused is false, but fault.nonfinite needs the fused AdamW kernel (it drops "
+                             "non-finite updates on device); use --optimizer.fused auto, or --fault.nonfinite off")
+        fused = True
+    else:
+        if opt_cfg.fused is True and device_type != "cuda":
+            warnings.warn(f"optimizer.fused=true ignored on device type {device_type!r}; using foreach AdamW")
+        fused = resolve_fused(opt_cfg.fused, device_type)
 
     decay, no_decay = split_decay_params(model)
     groups = [

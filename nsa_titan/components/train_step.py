@@ -74,9 +74,13 @@ def train_step(
     params: Sequence[nn.Parameter],
     max_norm: float,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    before_optimizer_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``before_optimizer_step(loss, grad_norm)``: e.g. the non-finite guard, which may veto the update on device."""
     loss = forward_backward(model, micro_batches, autocast)
     grad_norm = clip_grads(params, max_norm)
+    if before_optimizer_step is not None:
+        before_optimizer_step(loss, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

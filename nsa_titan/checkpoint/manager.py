@@ -1,0 +1,354 @@
+"""CheckpointManager: periodic DCP checkpoints that become visible only when complete, and resume.
+
+Layout under ``<job.dump_folder>/<checkpoint.folder>``::
+
+    step-00000100/          a complete checkpoint: DCP files + .metadata + nsa_checkpoint.json
+    .tmp-step-00000200/     a save in progress (or one killed mid-way): never read, removed at start-up
+    export-step-00000300/   model-only bf16 safetensors export (see export.py)
+
+Atomicity: every rank writes into ``.tmp-step-N``; when DCP has finished (its coordinator writes
+``.metadata`` after every rank reported its files), rank 0 writes ``nsa_checkpoint.json`` (step, file
+sizes, model args), fsyncs it and renames the folder to ``step-N``: a rename is atomic, so a reader
+sees either nothing or the whole checkpoint. A SIGKILL at any moment leaves earlier ``step-*``
+folders untouched (pruning by ``keep_latest_k`` runs only after the new one is committed).
+
+Validation on resume: a ``step-N`` folder counts only if its marker parses and every file it lists
+exists with the recorded size; a checkpoint that fails that check, or whose DCP load raises, is
+reported and the next older complete one is tried ('latest'). An explicitly named checkpoint must be
+complete: anything else is a ConfigError naming ``checkpoint.resume_from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
+
+from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
+from nsa_titan.config import ConfigError
+
+MARKER = "nsa_checkpoint.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Fields that do not change the saved tensors: a run may resume under another attention implementation.
+_ARGS_FREE_TO_CHANGE = ("attn_impl",)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process save/load that it assumes single-process use, which is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
+    """(marker, None) for a complete checkpoint folder, else (None, what is wrong)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None, "not a folder" if path.exists() else "does not exist"
+    try:
+        meta = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        return None, f"no {MARKER}: the save did not finish"
+    except (OSError, ValueError) as e:
+        return None, f"unreadable {MARKER} ({e})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or ".metadata" not in files or not isinstance(meta.get("step"), int):
+        return None, f"{MARKER} lacks the step or file list"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return None, f"file {name} is missing"
+        if actual != size:
+            return None, f"file {name} has {actual} bytes, {size} were written"
+    return meta, None
+
+
+def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``step-N`` folders (complete or not) in ascending step order."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def model_args_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
+            for k in sorted(set(saved) | set(current))
+            if k not in _ARGS_FREE_TO_CHANGE and saved.get(k) != current.get(k)]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Rename, then delete: a kill mid-delete leaves a hidden .trash folder, never a half-deleted step-N."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+class CheckpointManager:
+    """Owns the checkpoint folder of one run. Construct it early (it resolves and checks the resume source
+    before any model is built), ``bind`` the live objects, ``load`` once, then ``maybe_save`` each step."""
+
+    def __init__(self, cfg: Any, *, dump_folder: str | os.PathLike, rank: int = 0, world_size: int = 1,
+                 model_args: dict[str, Any] | None = None, log: Callable[[str], None] = print,
+                 hooks: Any = None):
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.rank, self.world_size = rank, world_size
+        self.model_args = model_args or {}
+        self.log = log
+        self.hooks = hooks
+        self.enabled = bool(cfg.enable)
+        self._live: dict[str, Any] | None = None
+        self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
+        self._async_pg = None
+        self.last_saved_step: int | None = None
+        self.candidates = self._resume_candidates()
+
+    # ---- resume source (before any GPU work) ----
+    def _resume_candidates(self) -> list[Path]:
+        source = str(self.cfg.resume_from).strip()
+        if source.lower() in ("none", ""):
+            return []
+        if source.lower() == "latest":
+            if not self.enabled:
+                return []
+            out = []
+            for step, path in reversed(list_checkpoints(self.folder)):
+                meta, problem = inspect_checkpoint(path)
+                if problem:
+                    self.log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
+                    continue
+                self._check_model_args(path, meta)
+                out.append(path)
+            return out
+        path = Path(source).expanduser()
+        if not path.exists() and not path.is_absolute() and (self.folder / source).exists():
+            path = self.folder / source  # a bare name such as step-00000100
+        meta, problem = inspect_checkpoint(path)
+        if problem:
+            known = ", ".join(p.name for _, p in list_checkpoints(self.folder)) or "none"
+            raise ConfigError(f"checkpoint.resume_from: {source!r} is not a complete checkpoint ({problem}); pass "
+                              f"'latest', 'none', or the path of a step-NNNNNNNN folder (in {self.folder}: {known})")
+        self._check_model_args(path, meta)
+        return [path]
+
+    def _check_model_args(self, path: Path, meta: dict[str, Any]) -> None:
+        diff = model_args_mismatch(meta.get("model_args", {}), self.model_args) if self.model_args else []
+        if diff:
+            raise ConfigError(f"checkpoint.resume_from: {path} holds another model ({'; '.join(diff)}); resume with "
+                              "the same [model] settings, or start fresh with --checkpoint.resume_from none "
+                              "(or another --job.dump_folder)")
+
+    # ---- live objects ----
+    def bind(self, *, model, optimizer, scheduler, loader, train_state: TrainState, device: torch.device) -> None:
+        """Attach the run's objects. Collective when distributed (every rank must call it)."""
+        self._live = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                          train_state=train_state, device=device)
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.enabled and self.cfg.async_mode == "async" and distributed:
+            # The background save runs collectives (plan gather, finish) while training runs its own: a
+            # separate gloo group keeps the two streams of collectives from interleaving on one group.
+            self._async_pg = dist.new_group(backend="gloo")
+        if self.enabled and self.rank == 0 and self.folder.is_dir():
+            for stale in self.folder.glob(".tmp-step-*"):
+                self.log(f"checkpoint: removing {stale.name}, a save that never completed")
+                _remove(stale)
+        if distributed:
+            dist.barrier()  # no rank may start writing a .tmp folder that rank 0 is still removing
+
+    def load(self) -> int | None:
+        """Restore the newest usable candidate; returns its step, or None when starting fresh."""
+        live = self._require_live()
+        for i, path in enumerate(self.candidates):
+            try:
+                meta, state, rank_key = self._read(path)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - any read failure: report, try an older one
+                more = i + 1 < len(self.candidates)
+                self.log(f"WARNING: loading checkpoint {path} failed ({type(e).__name__}: {e})"
+                         + ("; falling back to the previous complete checkpoint" if more else ""))
+                if not more:
+                    raise RuntimeError(f"no usable checkpoint: loading {path} failed: {e}") from e
+                continue
+            # Not in the try: a mismatch found here (e.g. another data seed) would recur with older checkpoints.
+            apply_loaded(state, rank_key, model=live["model"], optimizer=live["optimizer"],
+                         scheduler=live["scheduler"], loader=live["loader"], train_state=live["train_state"],
+                         device=live["device"], saved_world_size=int(meta.get("world_size", 1)),
+                         world_size=self.world_size, log=self.log)
+            self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} rank(s))")
+            self.last_saved_step = int(meta["step"])
+            return self.last_saved_step
+        return None
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """(marker, filled template, key of the rank state used). Fills the live tensors in place; a failed
+        read may leave them half-written, which the next (complete) read overwrites entirely."""
+        live = self._require_live()
+        meta, problem = inspect_checkpoint(path)
+        if problem:
+            raise RuntimeError(problem)
+        saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        mine = f"rank{self.rank}"
+        rank_key = mine if f"rank_state.{mine}" in saved_keys else "rank0"
+        state = load_template(live["model"], live["optimizer"], rank_key)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        return meta, state, rank_key
+
+    def _require_live(self) -> dict[str, Any]:
+        if self._live is None:
+            raise RuntimeError("CheckpointManager.bind(...) must be called before load/save")
+        return self._live
+
+    # ---- saving ----
+    def should_save(self, step: int, last: bool) -> bool:
+        if not self.enabled or step == self.last_saved_step:
+            return False
+        return step % self.cfg.interval == 0 or (last and self.cfg.save_at_end)
+
+    def maybe_save(self, step: int, *, last: bool = False) -> bool:
+        """Per step: finish a completed async save (no waiting), then save if this step is due."""
+        self.poll()
+        if not self.should_save(step, last):
+            return False
+        self.save(step, blocking=last)
+        return True
+
+    def save(self, step: int, *, blocking: bool = True) -> Path:
+        """Save the live state as step ``step``; async mode returns once the state is staged in host memory."""
+        live = self._require_live()
+        self.wait()  # one save in flight at a time: DCP's stager and our commit are per checkpoint
+        final = self.folder / step_dir_name(step)
+        tmp = self.folder / f".tmp-{final.name}"
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                _remove(tmp)
+        if dist.is_initialized():
+            dist.barrier()
+        host = capture_host_state(live["train_state"], live["scheduler"], live["loader"], live["device"])
+        state = dcp_state_dict(live["model"], live["optimizer"], host, self.rank)
+        meta = {"format": FORMAT_VERSION, "step": step, "tokens_seen": live["train_state"].tokens_seen,
+                "world_size": self.world_size, "model_args": self.model_args,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        t0 = time.perf_counter()
+        no_dist = not dist.is_initialized()
+        if self.cfg.async_mode == "async" and not blocking:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg, no_dist=no_dist)
+            self._pending = (future, step, tmp, meta)
+            self.log(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background")
+        else:
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=no_dist)
+            self._commit(step, tmp, meta)
+            self.log(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - t0:.2f}s")
+        self.last_saved_step = step
+        return final
+
+    def poll(self) -> None:
+        """Commit a finished background save; never blocks (future.done() is a host flag)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a background save has finished and is committed; its error, if any, is raised here."""
+        if self._pending is None:
+            return
+        future, step, tmp, meta = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as e:
+            raise RuntimeError(f"background checkpoint save of step {step} to {tmp} failed: {e}") from e
+        self._commit(step, tmp, meta)
+        self.log(f"checkpoint: saved step {step} to {self.folder / step_dir_name(step)} (background)")
+
+    def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: marker, fsync, atomic rename, prune. The other ranks' files are complete by now: DCP's
+        coordinator writes .metadata only after gathering every rank's write results."""
+        if self.rank != 0:
+            return
+        if self.hooks is not None:
+            self.hooks.before_checkpoint_commit(step, tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        marker = tmp / MARKER
+        with open(marker, "w") as f:
+            json.dump({**meta, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        final = self.folder / step_dir_name(step)
+        if final.exists():  # e.g. a run restarted with resume_from none: the new save replaces the old one
+            _remove(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        self._prune()
+
+    def _prune(self) -> None:
+        k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
+        complete = [(s, p) for s, p in list_checkpoints(self.folder) if inspect_checkpoint(p)[1] is None]
+        if len(complete) <= k:
+            return
+        oldest_kept = complete[-k][0]
+        for step, path in list_checkpoints(self.folder):
+            if step < oldest_kept:
+                _remove(path)
+
+    def close(self) -> None:
+        """Finish any background save (call on every exit path that keeps the process alive)."""
+        try:
+            self.wait()
+        finally:
+            if self._async_pg is not None:
+                dist.destroy_process_group(self._async_pg)
+                self._async_pg = None
+
+    def export(self, step: int) -> Path | None:
+        """Model-only export (checkpoint.export_at_end); collective when sharded, rank 0 writes."""
+        from nsa_titan.checkpoint.export import export_model  # noqa: PLC0415 - needs safetensors, load on use
+
+        live = self._require_live()
+        out = self.folder / f"export-{step_dir_name(step)}"
+        path = export_model(live["model"], out, model_args=self.model_args, dtype=self.cfg.export_dtype,
+                            rank=self.rank)
+        if path is not None:
+            self.log(f"checkpoint: exported the model ({self.cfg.export_dtype}, safetensors) to {path}")
+        return path
+

@@ -1,0 +1,187 @@
+"""Failures that end loudly: the non-finite loss / grad-norm guard, typed training failures with exit codes,
+and the hook object through which tests (and tools) inject faults.
+
+Non-finite guard, without a host sync per step
+-----------------------------------------------
+Each step, on device: ``bad = !isfinite(loss) | !isfinite(grad_norm)``. The update is dropped on device
+through the fused AdamW kernel's ``found_inf`` input (the mechanism GradScaler uses): when it is non-zero
+the kernel leaves parameters, both moments and the step count untouched, so a skipped step is exactly as
+if it never ran, except that its data and its LR-schedule slot are consumed. This needs the fused kernel
+(CPU and CUDA have it), which the trainer therefore builds whenever the guard is on.
+
+- ``skip``: drop each bad step's update and go on; the steps are named on the next log step. More than
+  ``fault.nonfinite_max_skips`` skipped steps end the run like ``stop``.
+- ``stop``: from the first bad step on, every update is dropped (the weights stay at the last good
+  state); the next log step or checkpoint step sees the flag, rewinds the host state (data position,
+  schedule, RNG, counters) to just before the bad step, saves that last good state, and raises
+  NonFiniteError naming the step. ``fault.nonfinite_check_every_step`` instead reads the flag after every
+  step: it stops at the bad step itself, at the cost of one host sync per step (the CPU can no longer
+  queue the next step's kernels while the GPU finishes this one; a few percent on small models).
+- ``off``: no check (and no fused-kernel requirement).
+
+In data parallelism, loss and grad norm are already global (all-reduced) values, so every rank reaches
+the same decision with no extra collective.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NONFINITE_POLICIES = ("stop", "skip", "off")
+EXIT_FAILURE = 1
+EXIT_NONFINITE = 3
+EXIT_WATCHDOG = 4
+EXIT_PEER_FAILED = 5
+
+
+class TrainingFailure(RuntimeError):
+    """A failure the trainer detected itself; ``python -m nsa_titan.train`` exits with ``exit_code``."""
+
+    exit_code = EXIT_FAILURE
+
+
+class NonFiniteError(TrainingFailure):
+    exit_code = EXIT_NONFINITE
+
+    def __init__(self, message: str, *, step: int, saved: Path | None = None):
+        super().__init__(message)
+        self.step, self.saved = step, saved
+
+
+class TrainHooks:
+    """Extension points for fault injection in tests and for tools; each method here does nothing.
+
+    Passed in code (``nsa_titan.train.main(argv, hooks=...)``), never switched on by the environment.
+    """
+
+    def on_train_start(self, ctx: dict[str, Any]) -> None:
+        """Once, before step 1 (after a resume): ctx holds model, optimizer, scheduler, loader, train_state."""
+
+    def on_step_start(self, step: int) -> None:
+        """Before each step's data is fetched (stall, kill or interrupt a run here)."""
+
+    def before_optimizer_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """After backward and clipping; returns (loss, grad_norm) as the guard should see them."""
+        return loss, grad_norm
+
+    def before_checkpoint_commit(self, step: int, tmp_path: Path) -> None:
+        """Rank 0, after every rank has written a checkpoint's files, before it is made visible."""
+
+
+@dataclass
+class NonFiniteReport:
+    first_step: int
+    loss: float
+    grad_norm: float
+    count: int
+
+
+class NonFiniteGuard:
+    """Device-side non-finite detection; host reads only in ``check`` (log / checkpoint steps)."""
+
+    def __init__(self, policy: str, device: torch.device, *, check_every_step: bool = False, max_skips: int = 10,
+                 history: int = 1, hooks: TrainHooks | None = None):
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"fault.nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+        self.policy, self.device = policy, device
+        self.check_every_step = check_every_step
+        self.max_skips = max_skips
+        self.hooks = hooks or TrainHooks()
+        self.step = 0
+        self.skipped_steps: list[int] = []  # host record of the skipped steps read so far (skip policy)
+        self._window: list[tuple[int, torch.Tensor]] = []  # (step, bad) since the last check
+        self._first_step = torch.zeros((), dtype=torch.long, device=device)
+        self._first_vals = torch.zeros(2, device=device)
+        self._count = torch.zeros((), dtype=torch.long, device=device)
+        self._any = torch.zeros((), dtype=torch.bool, device=device)
+        # 'stop' rewinds the host state to just before the first bad step, which may lie up to one log
+        # window back: host snapshots (data position, schedule, RNG; no device data) of that many steps.
+        self._snapshots: collections.deque = collections.deque(maxlen=max(1, history) + 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "off"
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.enabled and not all(g.get("fused") for g in optimizer.param_groups):
+            raise ValueError(f"fault.nonfinite={self.policy!r} drops bad updates through the fused AdamW kernel, "
+                             "but the optimizer is not fused; set --optimizer.fused auto (or true), or "
+                             "--fault.nonfinite off")
+
+    def step_start(self, step: int, snapshot: Any = None) -> None:
+        self.step = step
+        if self.policy == "stop" and snapshot is not None:
+            self._snapshots.append((step - 1, snapshot))
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                              grad_norm: torch.Tensor) -> None:
+        """Called between clipping and ``optimizer.step()``: device ops only."""
+        loss, grad_norm = self.hooks.before_optimizer_step(self.step, loss, grad_norm)
+        if not self.enabled:
+            return
+        loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        first = bad & ~self._any
+        # torch.where with a Python scalar passes the step as a kernel argument: no host-to-device copy.
+        self._first_step = torch.where(first, self.step, self._first_step)
+        self._first_vals = torch.where(first, torch.stack([loss, grad_norm]), self._first_vals)
+        self._count += bad
+        self._any |= bad
+        self._window.append((self.step, bad))
+        drop = self._any if self.policy == "stop" else bad
+        optimizer.found_inf = drop.float()  # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler)
+
+    def wants_check(self) -> bool:
+        return self.enabled and self.check_every_step
+
+    def check(self) -> NonFiniteReport | None:
+        """Host sync: the first bad step since the start (None if none). In 'skip' mode also records (and
+        returns, for logging) the newly skipped steps; call on log / checkpoint steps."""
+        if not self.enabled or not self._window:
+            return None
+        flags = torch.stack([b for _, b in self._window]).tolist()  # host sync ok: log step
+        new = [s for (s, _), b in zip(self._window, flags) if b]
+        self._window.clear()
+        if not new:
+            return None
+        self.skipped_steps.extend(new)
+        first, (loss, gnorm) = int(self._first_step.item()), self._first_vals.tolist()  # host sync ok: log step
+        return NonFiniteReport(first_step=first, loss=loss, grad_norm=gnorm, count=len(self.skipped_steps))
+
+    def should_stop(self, report: NonFiniteReport | None) -> bool:
+        if report is None:
+            return False
+        return self.policy == "stop" or (self.max_skips > 0 and report.count > self.max_skips)
+
+    def snapshot_before(self, step: int) -> Any:
+        """The host snapshot taken at the start of ``step`` (= state after step - 1), or None."""
+        for done, snap in self._snapshots:
+            if done == step - 1:
+                return snap
+        return None
+
+    def describe(self, report: NonFiniteReport) -> str:
+        what = f"non-finite loss or grad norm at step {report.first_step} (loss {report.loss}, grad norm " \
+               f"{report.grad_norm})"
+        if self.policy == "skip":
+            shown = ", ".join(map(str, self.skipped_steps[-20:]))
+            return f"{what}; updates skipped at {report.count} step(s): {shown}"
+        return what
+
+
+def collective_failure_hint(exc: BaseException, world_size: int) -> str | None:
+    """A sentence for errors that mean 'another rank is gone' (gloo / NCCL errors), else None."""
+    if world_size <= 1:
+        return None
+    text = f"{type(exc).__name__}: {exc}".lower()
+    keys = ("connection closed", "connection reset", "broken pipe", "nccl", "gloo", "timed out", "timeout",
+            "distbackenderror", "peer")
+    if any(k in text for k in keys):
+        return ("a collective operation failed: another rank has most likely died or hung (see its log and the "
+                "heartbeat files); this rank stops too")
+    return None

@@ -1,0 +1,158 @@
+"""The training loop's side of checkpointing and failure handling, in one object, so that ``train.py`` only
+calls a handful of methods:
+
+    res = Resilience(job_config, rank=..., world_size=..., model_args=..., log=..., hooks=...)  # before GPU work
+    first = res.start(model=..., optimizer=..., scheduler=..., loader=..., device=...)      # resume, watchdog
+    for step in range(first, steps + 1):
+        res.step_start(step)
+        ... train_step(..., before_optimizer_step=res.before_optimizer_step) ...
+        res.step_end(step, num_tokens, log_step=...)   # counters, watchdog, guard check, checkpoint
+    res.finish()                                       # export; then res.close(error) on every exit path
+
+Host syncs: only in ``step_end`` on log steps and checkpoint steps (the guard's flag read), or on every step
+when the user opted in with ``fault.nonfinite_check_every_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nsa_titan.checkpoint import CheckpointManager, TrainState, capture_host_state, restore_host_state
+from nsa_titan.components.failure import NonFiniteError, NonFiniteGuard, TrainHooks
+from nsa_titan.components.watchdog import Watchdog
+from nsa_titan.config import ConfigError
+
+
+def shared_run_id() -> str:
+    """A per-run id that every rank agrees on (heartbeats of an earlier run in the same folder are ignored)."""
+    run_id = [uuid.uuid4().hex]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(run_id, src=0)  # once, at start-up
+    return run_id[0]
+
+
+class Resilience:
+    def __init__(self, job_config: Any, *, rank: int, world_size: int, model_args: Any,
+                 log: Callable[[str], None] = print, hooks: TrainHooks | None = None):
+        self.cfg = job_config
+        self.rank, self.world_size = rank, world_size
+        self.log = log
+        self.hooks = hooks or TrainHooks()
+        self.dump = Path(job_config.job.dump_folder)
+        if self.needs_fused_optimizer and job_config.optimizer.fused is False:
+            raise ConfigError(f"optimizer.fused: false, but fault.nonfinite={job_config.fault.nonfinite!r} drops bad "
+                              "updates on device through the fused AdamW kernel; use --optimizer.fused auto, or "
+                              "--fault.nonfinite off")
+        args = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
+        # Resolves (and checks) the resume source now: a bad checkpoint path fails before any model is built.
+        self.ckpt = CheckpointManager(job_config.checkpoint, dump_folder=self.dump, rank=rank, world_size=world_size,
+                                      model_args=args, log=log, hooks=self.hooks)
+        self.train_state = TrainState()
+        self.guard: NonFiniteGuard | None = None
+        self.watchdog: Watchdog | None = None
+        self._live: dict[str, Any] = {}
+
+    @property
+    def needs_fused_optimizer(self) -> bool:
+        return self.cfg.fault.nonfinite != "off"
+
+    def start(self, *, model, optimizer, scheduler, loader, device: torch.device) -> int:
+        """Resume if there is something to resume from, start the watchdog; returns the first step to run."""
+        fc = self.cfg.fault
+        self._live = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, device=device)
+        self.guard = NonFiniteGuard(fc.nonfinite, device, check_every_step=fc.nonfinite_check_every_step,
+                                    max_skips=fc.nonfinite_max_skips, history=self.cfg.metrics.log_freq,
+                                    hooks=self.hooks)
+        self.guard.check_optimizer(optimizer)
+        self.ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                       train_state=self.train_state, device=device)
+        self.ckpt.load()
+        self.guard.skipped_steps = list(self.train_state.skipped_steps)
+        self.watchdog = Watchdog(rank=self.rank, world_size=self.world_size, heartbeat_dir=self.dump / "heartbeat",
+                                 fault_dir=self.dump / "fault", timeout_s=fc.watchdog_timeout_s,
+                                 first_step_timeout_s=fc.watchdog_first_step_timeout_s,
+                                 heartbeat_interval_s=fc.heartbeat_interval_s, peer_timeout_s=fc.peer_timeout_s,
+                                 run_id=shared_run_id()).start()
+        self.hooks.on_train_start({**self._live, "train_state": self.train_state, "checkpoint": self.ckpt})
+        return self.train_state.step + 1
+
+    def _snapshot(self) -> dict[str, Any]:
+        live = self._live
+        return capture_host_state(self.train_state, live["scheduler"], live["loader"], live["device"])
+
+    # ---- per step ----
+    def step_start(self, step: int) -> None:
+        self.hooks.on_step_start(step)
+        # 'stop' may have to rewind the host state to before a bad step: a host-only snapshot, no device data.
+        self.guard.step_start(step, self._snapshot() if self.guard.policy == "stop" else None)
+
+    def before_optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.guard.before_optimizer_step(self._live["optimizer"], loss, grad_norm)
+
+    def step_end(self, step: int, num_tokens: int, *, log_step: bool) -> None:
+        """num_tokens: this rank's input tokens of the step (a host int)."""
+        self.train_state.step = step
+        self.train_state.tokens_seen += num_tokens * self.world_size
+        self.watchdog.step_done(step)
+        last = step == self.cfg.training.steps
+        saving = self.ckpt.should_save(step, last)
+        if log_step or saving or self.guard.wants_check():
+            self._check_nonfinite()
+        if saving or self.ckpt.enabled:
+            self.ckpt.maybe_save(step, last=last)
+            if saving:
+                self.watchdog.progress()
+
+    def progress(self) -> None:
+        """After long non-step work (evaluation)."""
+        self.watchdog.progress()
+
+    def _check_nonfinite(self) -> None:
+        report = self.guard.check()  # host sync ok: log step (or checkpoint step / opted-in per-step check)
+        if report is None:
+            return
+        self.train_state.skipped_steps = list(self.guard.skipped_steps)
+        message = self.guard.describe(report)
+        if not self.guard.should_stop(report):
+            self.log(f"WARNING: {message}")
+            return
+        if self.guard.policy == "stop":
+            # Updates were dropped on device from the bad step on, so the weights are those after step
+            # first - 1; put the data position, schedule, RNG and counters back to that step as well.
+            snap = self.guard.snapshot_before(report.first_step)
+            live = self._live
+            restore_host_state(snap, self.train_state, live["scheduler"], live["optimizer"], live["loader"],
+                               live["device"])
+        saved = None
+        if self.ckpt.enabled:
+            saved = self.ckpt.save(self.train_state.step)
+        where = (f"saved the last good state (step {self.train_state.step}) to {saved}" if saved else
+                 "checkpointing is off (checkpoint.enable), so nothing was saved")
+        raise NonFiniteError(f"{message}; {where}. Resume after a fix (e.g. a lower optimizer.lr) or use "
+                             "--fault.nonfinite skip", step=report.first_step, saved=saved)
+
+    # ---- end ----
+    def finish(self) -> Path | None:
+        """After the last step: wait for the last save, export the model if asked."""
+        self.ckpt.wait()
+        if self.cfg.checkpoint.export_at_end:
+            return self.ckpt.export(self.train_state.step)
+        return None
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Every exit path: finish a background save, leave a final heartbeat ('failed' tells the peers)."""
+        try:
+            if error is None or isinstance(error, (KeyboardInterrupt, NonFiniteError)):
+                self.ckpt.close()
+        finally:
+            if self.watchdog is not None:
+                failed = error is not None and not isinstance(error, KeyboardInterrupt)
+                self.watchdog.stop("failed" if failed else "done",
+                                   f"{type(error).__name__}: {error}" if failed else None)

@@ -1,0 +1,208 @@
+"""Checkpoints: exact resume (bit-identical losses on CPU), async save, keep_latest_k, atomicity under SIGKILL,
+fallback from a corrupt checkpoint, named / bad resume sources, model-only export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from _ckpt_util import STEPS, args, ckpt_args, losses, run, run_worker
+from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
+from nsa_titan.checkpoint.state import reshard_loader_state
+from nsa_titan.components.failure import TrainHooks
+from nsa_titan.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: STEPS steps in one go, no checkpointing."""
+    dump = tmp_path_factory.mktemp("straight")
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)
+        run(args(dump))
+    return losses(dump)
+
+
+class StopAt(TrainHooks):
+    """Interrupt the run (as Ctrl-C would) at the start of ``step``: the schedule still plans STEPS steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_start(self, step):
+        if step == self.step:
+            raise KeyboardInterrupt
+
+
+def first_half(dump, *extra, stop=11):
+    summary, out = run(ckpt_args(dump, *extra), hooks=StopAt(stop))
+    assert summary["interrupted"] and summary["steps"] == stop - 1
+    return losses(dump), out
+
+
+def assert_same(straight, got, steps):
+    diff = {s: (straight[s], got.get(s)) for s in steps if got.get(s) != straight[s]}
+    assert not diff, f"losses differ from the straight run at steps {diff}"
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_exact_resume(tmp_path, straight, mode):
+    """10 steps + resume + 10 == 20 straight, bit for bit; async saves stage a copy (training goes on)."""
+    a, out = first_half(tmp_path, "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2")
+    assert ("writing in the background" in out) == (mode == "async")
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [5, 10]
+    _, out = run(ckpt_args(tmp_path, "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2"))
+    assert "resumed from" in out and step_dir_name(10) in out
+    b = losses(tmp_path)
+    assert sorted(b) == list(range(11, STEPS + 1))  # the resumed run did not redo steps 1..10
+    assert_same(straight, {**a, **b}, range(1, STEPS + 1))
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [15, 20]  # keep_latest_k=2
+    meta, problem = inspect_checkpoint(tmp_path / "checkpoints" / step_dir_name(20))
+    assert problem is None and meta["step"] == 20 and meta["tokens_seen"] == STEPS * 2 * 64
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tokens"] == STEPS * 2 * 64  # the token count continues across the resume
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, straight):
+    """A SIGKILL after every file of step 10 is written but before it is committed: step 5 stays intact,
+    the half-done step 10 is never used, and the resumed run loses nothing."""
+    proc = run_worker("sigkill_commit", 10, ckpt_args(tmp_path))
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]
+    folder = tmp_path / "checkpoints"
+    assert (folder / f".tmp-{step_dir_name(10)}").is_dir()  # the killed save's files are there...
+    assert [s for s, _ in list_checkpoints(folder)] == [5]  # ...but invisible
+    _, out = run(ckpt_args(tmp_path))
+    assert f"removing .tmp-{step_dir_name(10)}" in out and f"resumed from {folder / step_dir_name(5)}" in out
+    assert_same(straight, losses(tmp_path), range(6, STEPS + 1))
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
+    first_half(tmp_path)
+    folder = tmp_path / "checkpoints"
+    # Same size, garbage content: passes the size check, fails in DCP's reader.
+    data = next(p for p in (folder / step_dir_name(10)).iterdir() if p.suffix == ".distcp")
+    data.write_bytes(b"\0" * data.stat().st_size)
+    _, out = run(ckpt_args(tmp_path))
+    assert f"loading checkpoint {folder / step_dir_name(10)} failed" in out and "falling back" in out
+    assert f"resumed from {folder / step_dir_name(5)}" in out
+    assert_same(straight, losses(tmp_path), range(6, STEPS + 1))
+
+
+def test_partial_checkpoints_are_detected(tmp_path):
+    first_half(tmp_path, stop=6)
+    ckpt = tmp_path / "checkpoints" / step_dir_name(5)
+    assert inspect_checkpoint(ckpt)[1] is None
+    copies = {}
+    for name, damage in [("truncated", "truncate"), ("no_marker", "marker"), ("no_metadata", "metadata")]:
+        bad = tmp_path / name
+        shutil.copytree(ckpt, bad)
+        if damage == "truncate":
+            f = next(p for p in bad.iterdir() if p.suffix == ".distcp")
+            f.write_bytes(f.read_bytes()[:100])
+        elif damage == "marker":
+            (bad / "nsa_checkpoint.json").unlink()
+        else:
+            (bad / ".metadata").unlink()
+        copies[name] = inspect_checkpoint(bad)[1]
+    assert "bytes" in copies["truncated"] and "did not finish" in copies["no_marker"]
+    assert ".metadata is missing" in copies["no_metadata"]
+    # 'latest' skips a partial newest checkpoint with a report, and uses the older complete one.
+    newer = tmp_path / "checkpoints" / step_dir_name(7)
+    shutil.copytree(tmp_path / "truncated", newer)
+    _, out = run(ckpt_args(tmp_path, steps=6))
+    assert f"{newer} is incomplete or corrupt" in out and f"resumed from {ckpt}" in out
+
+
+def test_named_checkpoint_and_bad_resume_sources(tmp_path, monkeypatch):
+    first_half(tmp_path, stop=6)
+    _, out = run(ckpt_args(tmp_path, "--checkpoint.resume_from", step_dir_name(5), steps=6))
+    assert f"resumed from {tmp_path / 'checkpoints' / step_dir_name(5)}" in out
+
+    import nsa_titan.train as train_mod
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the bad checkpoint source was reported")
+
+    monkeypatch.setattr(train_mod, "build_training_model", no_model)
+    with pytest.raises(ConfigError, match=r"checkpoint.resume_from: '/no/such/ckpt' is not a complete checkpoint "
+                                          r"\(does not exist\).*step-00000005"):
+        run(ckpt_args(tmp_path, "--checkpoint.resume_from", "/no/such/ckpt"))
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ConfigError, match="checkpoint.resume_from: .*did not finish"):
+        run(ckpt_args(tmp_path, "--checkpoint.resume_from", str(tmp_path / "half")))
+    with pytest.raises(ConfigError, match=r"holds another model \(model.dim: checkpoint 64, this run 32"):
+        run(ckpt_args(tmp_path, "--model.dim", "32"))
+
+
+def test_fresh_start_ignores_and_replaces_old_checkpoints(tmp_path):
+    first_half(tmp_path, stop=6)
+    _, out = run(ckpt_args(tmp_path, "--checkpoint.resume_from", "none", steps=5))
+    assert "resumed" not in out and [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [5]
+
+
+def test_model_export_bf16_safetensors(tmp_path):
+    st = pytest.importorskip("safetensors.torch")  # run_tests.sh installs it; the library keeps it optional
+    from nsa_titan.checkpoint.export import export_checkpoint
+
+    captured = {}
+
+    class Capture(TrainHooks):
+        def on_train_start(self, ctx):
+            captured["model"] = ctx["model"]
+
+    run(ckpt_args(tmp_path, "--checkpoint.export_at_end", steps=3), hooks=Capture())
+    out = tmp_path / "checkpoints" / f"export-{step_dir_name(3)}"
+    tensors = st.load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["nsa_model_args"]["dim"] == 64 and config["torch_dtype"] == "bfloat16"
+    names = set(tensors)
+    for expected in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                     "model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.compress_k.fc1.weight",
+                     "model.layers.0.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight"):
+        assert expected in names
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    params = dict(captured["model"].named_parameters())
+    assert len(tensors) == len(params)
+    for new, old in config["names"].items():
+        assert torch.equal(tensors[new], params[old].detach().to(torch.bfloat16)), new
+    # The offline exporter reads the same weights back from the DCP checkpoint.
+    offline = export_checkpoint(tmp_path / "checkpoints" / step_dir_name(3), tmp_path / "offline")
+    again = st.load_file(str(offline / "model.safetensors"))
+    assert all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
+def test_export_without_safetensors_says_how_to_fix(monkeypatch):
+    import importlib.util
+
+    from nsa_titan.checkpoint.export import require_safetensors
+    from nsa_titan.config import load_job_config
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # makes `import safetensors` raise ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        require_safetensors()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "safetensors" else real(n, *a))
+    with pytest.raises(ConfigError, match="checkpoint.export_at_end: needs the `safetensors` package"):
+        load_job_config(["--checkpoint.export_at_end"])
+
+
+def test_reshard_loader_state_keeps_the_global_sample_count():
+    saved = {"sample_index": 12, "world_size": 2, "rank": 0, "chunks_per_rank": 50, "seed": 1, "seq_len": 64}
+    mine = {"sample_index": 0, "world_size": 1, "rank": 0, "chunks_per_rank": 100, "seed": 1, "seq_len": 64}
+    out = reshard_loader_state(saved, mine)
+    assert out["sample_index"] == 24 and out["world_size"] == 1 and out["chunks_per_rank"] == 100
+    back = reshard_loader_state(out, {**saved, "rank": 1, "sample_index": 0})
+    assert back["sample_index"] == 12 and back["rank"] == 1
