@@ -36,15 +36,18 @@ PAPER = dict(HQ=64, HKV=4, DK=128, DV=128, p=NSAParams(32, 16, 64, 16, 512))
 M7C = dict(HQ=12, HKV=2, DK=64, DV=64, p=NSAParams(32, 16, 64, 16, 512))
 
 
+DEV = "cuda"  # a CPU smoke test of this script sets "cpu" (with TRITON_INTERPRET=1)
+
+
 def make_inputs(B, T, HQ, HKV, DK, DV, p, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     tc = p.num_cmp_tokens(T)
 
     def r(*s):
-        return torch.randn(*s, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+        return torch.randn(*s, device=DEV, generator=g, dtype=torch.float32).to(dtype)
 
     return [r(B, T, HQ, DK), r(B, tc, HKV, DK), r(B, tc, HKV, DV), r(B, T, HKV, DK), r(B, T, HKV, DV),
-            r(B, T, HKV, DK), r(B, T, HKV, DV), torch.rand(B, T, HQ, 3, device="cuda", generator=g)]
+            r(B, T, HKV, DK), r(B, T, HKV, DV), torch.rand(B, T, HQ, 3, device=DEV, generator=g)]
 
 
 def _attend(q, k, v, mask, scale):
@@ -256,7 +259,7 @@ def breakdown(cfg, T):
         "cmp_bwd": lambda: ops.band_attn_bwd(do, q, kc, vc, o_c, lse, p.cmp_stride, p.cmp_block - 1, 0),
         "select": lambda: ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
         "slc_fwd": lambda: ops.sel_attn(q, ks, vs, idx, p.slc_block),
-        "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, npi=1),
+        "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(NPI=1)),
         "slc_bwd": lambda: ops.sel_attn_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
         "win_fwd": lambda: ops.band_attn(q, kw, vw, 1, 0, p.window),
         "win_bwd": lambda: ops.band_attn_bwd(do, q, kw, vw, o_w, lse_w, 1, 0, p.window),
@@ -269,6 +272,84 @@ def breakdown(cfg, T):
             print("breakdown", k, "FAILED", type(e).__name__, str(e)[:200], flush=True)
     print("breakdown", T, json.dumps({k: round(v, 3) for k, v in out.items()}), flush=True)
     return out
+
+
+def _v(rows=None, BK=None, w=4, st=2, NPI=None, CI=None):
+    d = dict(num_warps=w, num_stages=st)
+    d.update({k: v for k, v in dict(rows=rows, BK=BK, NPI=NPI, CI=CI).items() if v is not None})
+    return d
+
+
+SWEEP = {  # first entry of each list = the heuristic default
+    "band_fwd": [_v(128, 64, 8, 3), _v(128, 64, 8, 2), _v(128, 128, 8, 2), _v(64, 64, 4, 3), _v(64, 128, 4, 2),
+                 _v(128, 64, 4, 3)],
+    "band_dq": [_v(128, 64, 8, 3), _v(128, 64, 8, 2), _v(64, 64, 4, 3), _v(128, 32, 8, 3), _v(64, 128, 8, 2)],
+    "band_dkdv": [_v(64, 64, 4, 2), _v(32, 128, 4, 2), _v(32, 128, 8, 2), _v(64, 128, 8, 2), _v(64, 64, 8, 2),
+                  _v(32, 64, 4, 3), _v(16, 128, 4, 3)],
+    "sel_fwd": [_v(w=4, st=2, NPI=2), _v(w=4, st=3, NPI=1), _v(w=4, st=3, NPI=2), _v(w=8, st=2, NPI=2),
+                _v(w=2, st=3, NPI=1), _v(w=2, st=2, NPI=2)],
+    "sel_dq": [_v(w=4, st=2, NPI=2), _v(w=4, st=3, NPI=1), _v(w=8, st=2, NPI=2), _v(w=2, st=2, NPI=2)],
+    "sel_dkdv": [_v(64, w=4, st=2), _v(32, w=4, st=2), _v(128, w=8, st=2), _v(64, w=8, st=2), _v(32, w=4, st=3),
+                 _v(64, w=4, st=3)],
+    "select": [_v(128, w=4, st=3, CI=64), _v(128, w=8, st=3, CI=64), _v(64, w=4, st=3, CI=64),
+               _v(256, w=8, st=2, CI=64), _v(128, w=8, st=2, CI=128), _v(128, w=4, st=3, CI=32)],
+}
+
+
+def sweep(cfg, T):
+    """Time each launch variant of every kernel at one shape; keep the fastest whose results match the
+    default's (bf16 rounding only); install the winners in band.TUNED for the rest of this process."""
+    from triton.testing import do_bench
+
+    from nsa_titan.kernels import band, select
+
+    HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
+    q, kc, vc, ks, vs, kw, vw, _ = make_inputs(1, T, HQ, HKV, DK, DV, p)
+    gp, dmax = 1 << (HQ // HKV - 1).bit_length(), max(DK, DV)
+    do = torch.randn(1, T, HQ, DV, device=DEV, dtype=q.dtype)
+    cmp_geo, win_geo = (p.cmp_stride, p.cmp_block - 1, 0), (1, 0, p.window)
+    o_c, lse_c = band.band_fwd(q, kc, vc, *cmp_geo)
+    o_w, lse_w = band.band_fwd(q, kw, vw, *win_geo)
+    idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+    o_s, lse_s = selected.sel_fwd(q, ks, vs, idx, p.slc_block)
+    jobs = []
+    for geo, (k_, v_, o_, l_), win in ((cmp_geo, (kc, vc, o_c, lse_c), False),
+                                       (win_geo, (kw, vw, o_w, lse_w), True)):
+        jobs += [("band_fwd", win, lambda c, g=geo, k_=k_, v_=v_: band.band_fwd(q, k_, v_, *g, cfg=c)),
+                 ("band_dq", win, lambda c, g=geo, a=(k_, v_, o_, l_):
+                  band.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dq=c)),
+                 ("band_dkdv", win, lambda c, g=geo, a=(k_, v_, o_, l_):
+                  band.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dkdv=c))]
+    jobs += [("sel_fwd", False, lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)),
+             ("sel_dq", False, lambda c: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block, cfg_dq=c)),
+             ("sel_dkdv", False, lambda c: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block,
+                                                            cfg_dkdv=c)),
+             ("select", False, lambda c: (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride,
+                                                               p.slc_block, p.slc_top_n, cfg=c),))]
+    report = {}
+    for name, win, fn in jobs:
+        ref = fn(SWEEP[name][0])
+        times = []
+        for c in SWEEP[name]:
+            try:
+                res = fn(c)
+                outs = zip(res[:1], ref[:1]) if name.endswith("fwd") else zip(res, ref)  # lse may hold inf
+                same = all((torch.equal(a, b) if a.dtype == torch.int64 else rel(a, b) < 1e-2) for a, b in outs)
+                ms = do_bench(lambda: fn(c), warmup=10, rep=40, return_mode="median") if same else None
+            except Exception as e:
+                print("sweep", name, c, "FAILED", type(e).__name__, str(e)[:120], flush=True)
+                ms = None
+            times.append(ms)
+        ok = [(t, c) for t, c in zip(times, SWEEP[name]) if t is not None]
+        best = min(ok, key=lambda x: x[0])[1] if ok else SWEEP[name][0]
+        key = (name, gp, DK if name == "select" else dmax, win)
+        band.TUNED[key] = best
+        report[repr(key)] = dict(best=best, default_ms=times[0], best_ms=min(t for t, _ in ok) if ok else None,
+                                 all_ms=times)
+        print("sweep", key, "default", fmt(times[0], ".3f"), "best", fmt(report[repr(key)]["best_ms"], ".3f"), best,
+              flush=True)
+    print("TUNED =", {k: v for k, v in band.TUNED.items()}, flush=True)
+    return report
 
 
 def fmt(x, spec=".2f"):
@@ -297,6 +378,10 @@ def write(out_dir, payload):
     if payload.get("breakdown"):
         lines += ["", "Per-operator ms (paper config): " + json.dumps(
             {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in payload["breakdown"].items()})]
+    if payload.get("sweep"):
+        lines += ["", "Launch-shape sweep (paper config, T=65536), ms default -> best: " + "; ".join(
+            f"{k}: {fmt(v['default_ms'], '.2f')} -> {fmt(v['best_ms'], '.2f')} {v['best']}"
+            for k, v in payload["sweep"].items())]
     if payload.get("check"):
         lines += ["", "| check (bf16 vs float64) | ok | worst rel err | deterministic | sel gap | sel same rows |",
                   "|---|---|---|---|---|---|"]
@@ -315,12 +400,15 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--sweep", action="store_true", help="tune launch shapes at paper 64k first, then use them")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     import triton
 
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    if a.sweep:
+        payload["sweep"] = sweep(PAPER, 65536)
     if a.check:
         cases = [(2, 1000, 8, 2, 64, 64, NSAParams(32, 16, 64, 16, 512), 1000),
                  (1, 1531, 6, 6, 32, 32, NSAParams(16, 8, 32, 4, 64), 1531),  # G=1, odd T

@@ -187,57 +187,69 @@ def pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-def _cfg(G: int, dmax: int, is_interp: bool):
+# Launch shapes measured best by benchmarks/bench_attention.py --sweep, keyed by
+# (kernel, next_pow2(G), max head dim, windowed); anything absent falls back to the heuristic below.
+# Values: rows (query rows per tile = tokens * next_pow2(G)), BK (keys per tile), num_warps, num_stages.
+TUNED: dict[tuple, dict] = {}
+
+
+def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> dict:
+    if not cuda:  # interpreter: fewer, larger programs (it pays per op, not per element)
+        return dict(rows=64, BK=32 if dmax > 128 else 64, num_warps=4, num_stages=1)
+    big = dmax > 128
+    cfg = dict(rows=64 if big else 128, BK=32 if big else 64, num_warps=4 if big else 8, num_stages=3)
+    if kernel == "band_dkdv" and dmax >= 128:
+        # q, dO tiles + k, v + two accumulators: a 128-row query tile with 3 stages overflows the 227 KB
+        # of shared memory at head dim 128 (seen on H200).
+        cfg.update(rows=64, num_warps=4, num_stages=2)
+    cfg.update(TUNED.get((kernel, gp, dmax, windowed), {}))
+    return cfg
+
+
+def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg: dict | None):
+    """-> (GP, BT, BK, triton launch kwargs). An explicit cfg (a sweep) overrides everything."""
     gp = pow2(G)
-    rows = 64 if (dmax > 128 or is_interp) else 128
-    bt = max(1, rows // gp)
-    bk = 32 if dmax > 128 else 64
-    return gp, bt, bk, (8 if bt * gp >= 128 else 4)
+    c = dict(launch_cfg(kernel, gp, dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
+    return gp, max(1, c["rows"] // gp), c["BK"], dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def _interp(x: torch.Tensor) -> bool:
-    return x.device.type != "cuda"
-
-
-def band_fwd(q, k, v, kstride: int, koff: int, window: int):
+def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None):
     """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    gp, bt, bk, nw = _cfg(G, max(DK, DV), _interp(q))
+    gp, bt, bk, kw = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
     grid = (triton.cdiv(T, bt), B * HKV)
     _band_fwd[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                     T, S, G, HKV, DK**-0.5 * LOG2E, KSTRIDE=kstride, KOFF=koff, WIN=window, BT=bt, GP=gp,
-                    BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), num_warps=nw)
+                    BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), **kw)
     return o, lse
 
 
-def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int):
+def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
+             cfg_dkdv: dict | None = None):
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1)  # [B, T, HQ]: rowsum(dO * O), the softmax-backward term
-    gp, bt, bk, nw = _cfg(G, max(DK, DV), _interp(q))
-    consts = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, BT=bt, GP=gp, BK=bk, DK=DK, DV=DV,
-                  DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), num_warps=nw)
+    dims = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
+                DVP=pow2(max(DV, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    gp, bt, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
     _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, *strides, T, S, G, HKV,
-                                                DK**-0.5 * LOG2E, DK**-0.5, **consts)
+                                                DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, BK=bk, **dims, **kw)
     # Without a window, the first key tiles are seen by almost every query: split those query ranges so
     # that no single program walks all of T (fixed split count: partial buffers stay linear in T).
     nsplit = 1 if window > 0 else min(8, triton.cdiv(T, 4096))
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
-        # dK/dV keeps q, dO (per query tile) and k, v, two accumulators resident: at head dim >= 128 a
-        # 128-row query tile with 3 pipeline stages overflows the 227 KB of shared memory (seen on H200).
-        if max(DK, DV) >= 128 and q.device.type == "cuda":
-            consts.update(BT=max(1, 64 // gp), num_warps=4, num_stages=2)
+        gp, bt, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
             q, k, v, do, lse, delta, dkp, dvp, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-            nsplit, **consts)
+            nsplit, BT=bt, GP=gp, BK=bk, **dims, **kw)
     return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, pow2
+from nsa_titan.kernels.band import LOG2E, TUNED, pow2
 
 
 @triton.jit
@@ -93,7 +93,8 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
              mask=(tt[:, None] < T) & (col[None, :] < NSEL))
 
 
-def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int):
+def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
+                  cfg: dict | None = None):
     """q [B,T,HQ,Dk], k_cmp [B,Tc,HKV,Dk], lse [B,T,HQ] (band_fwd's) -> block_idx [B,HKV,T,n] int64."""
     B, T, HQ, DK = q.shape
     TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
@@ -104,12 +105,16 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
         k_cmp = k_cmp.new_zeros(B, 1, HKV, DK)
     R, LD = slc_block // cmp_stride, cmp_block // cmp_stride
     gp = pow2(G)
-    bt = max(2, (128 if q.device.type == "cuda" else 64) // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
-    ci = 64 if DK <= 128 else 32
-    ci = max(ci, pow2(R + LD - 1))
+    cuda = q.device.type == "cuda"
+    lc = dict(rows=128 if cuda else 64, CI=64 if DK <= 128 else 32, num_warps=4, num_stages=3 if cuda else 1)
+    lc.update(TUNED.get(("select", gp, DK, False), {}) if cuda else {})
+    lc.update(cfg or {})
+    bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
+    ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
     _select_kernel[(triton.cdiv(T, bt), B * HKV)](
         q, k_cmp, lse, idx, *q.stride()[:3], *k_cmp.stride()[:3], T, TC, nb, G, HKV, DK**-0.5 * LOG2E,
         CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n, NP=pow2(top_n), BT=bt, GP=gp,
-        CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)), num_warps=8 if bt * gp >= 256 else 4)
+        CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)), num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     return idx
