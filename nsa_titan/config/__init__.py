@@ -1,6 +1,7 @@
 """Job configuration: TOML sections as dataclasses, command-line overrides, validation, --help."""
 
 from nsa_titan.config.job_config import (
+    ActivationCheckpoint,
     Compile,
     Data,
     Job,
@@ -9,6 +10,7 @@ from nsa_titan.config.job_config import (
     Metrics,
     Model,
     Optimizer,
+    Parallelism,
     Training,
     job_config_to_dict,
     load_job_config,
@@ -16,6 +18,7 @@ from nsa_titan.config.job_config import (
 from nsa_titan.config.manager import ConfigError, config_to_toml, format_help
 
 __all__ = [
+    "ActivationCheckpoint",
     "Compile",
     "ConfigError",
     "Data",
@@ -25,6 +28,7 @@ __all__ = [
     "Metrics",
     "Model",
     "Optimizer",
+    "Parallelism",
     "Training",
     "config_to_toml",
     "format_help",

@@ -259,6 +259,83 @@ class Compile:
 
 
 @dataclass
+class Parallelism:
+    """Data parallelism over the torchrun ranks (world size = dp_replicate x dp_shard). A single process ignores it."""
+
+    data_parallel: Literal["fsdp2", "fsdp1", "ddp"] = "fsdp2"
+    """'fsdp2': fully_shard (per-parameter sharding; HSDP when dp_replicate > 1); 'fsdp1':
+    FullyShardedDataParallel, kept for comparison; 'ddp': DistributedDataParallel (full replicas)."""
+    dp_replicate: int = 1
+    """Replica groups: the outer dimension of the 2-D HSDP mesh (fsdp2, fsdp1 'hybrid'). ddp: every rank is a
+    replica, so leave 1 or pass the world size."""
+    dp_shard: int = -1
+    """Ranks each parameter is sharded over; -1: world size / dp_replicate (ddp: 1)."""
+    grad_sync: Literal["last_micro_batch", "every_micro_batch"] = "last_micro_batch"
+    """With grad_accum_steps > 1: reduce gradients across ranks only after the last micro-batch (least
+    communication; FSDP holds unsharded gradients meanwhile) or after every one (FSDP: reduce-scatter each
+    time and keep only the shard: least memory)."""
+    param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """FSDP mixed precision: dtype of the gathered parameters that compute uses (master weights stay fp32);
+    'auto': bf16 when training.mixed_precision is bf16 on CUDA, else fp32."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP mixed precision: dtype in which gradients are reduced across ranks."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] | int = "default"
+    """fsdp2: free gathered parameters after forward? 'default': each block yes, the last unit (norm +
+    output, which backward needs at once) no; 'always'; 'never' (no re-gather in backward, more memory);
+    an int k: keep a copy sharded over k ranks (1 < k < dp_shard, k divides dp_shard)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp2: keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    fsdp_prefetch: int = 0
+    """fsdp2: 0: FSDP2's implicit prefetching; N >= 1: explicitly all-gather the next N blocks in forward
+    and the previous N blocks in backward."""
+    fsdp1_sharding_strategy: Literal["full", "grad_op", "hybrid"] = "full"
+    """fsdp1: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (needs dp_replicate > 1)."""
+    fsdp1_use_orig_params: bool = True
+    """fsdp1: expose the original parameters (needed by torch.compile and per-parameter weight decay)."""
+    fsdp1_limit_all_gathers: bool = True
+    """fsdp1: rate-limit all-gathers so that at most two blocks' parameters are unsharded at once."""
+    fsdp1_forward_prefetch: bool = False
+    """fsdp1: issue the next block's all-gather before the current block's forward compute."""
+    fsdp1_backward_prefetch: Literal["pre", "post", "none"] = "pre"
+    """fsdp1: all-gather the previous block before ('pre') or after ('post') the current block's gradient
+    computation, or not at all ('none')."""
+    ddp_static_graph: bool = True
+    """ddp: the set of used parameters never changes between steps (true for this model), which lets DDP
+    skip per-step bookkeeping. Applied only where valid: not with no_sync micro-batches (grad_accum_steps
+    > 1 and grad_sync 'last_micro_batch')."""
+
+    def validate(self) -> None:
+        _check(self.dp_replicate >= 1, "parallelism.dp_replicate", f"must be >= 1, got {self.dp_replicate}")
+        _check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
+               f"must be -1 (the rest of the ranks) or >= 1, got {self.dp_shard}")
+        _check(self.fsdp_prefetch >= 0, "parallelism.fsdp_prefetch", f"must be >= 0, got {self.fsdp_prefetch}")
+        rafp = self.fsdp_reshard_after_forward
+        _check(not isinstance(rafp, int) or rafp >= 2, "parallelism.fsdp_reshard_after_forward",
+               f"an int must be >= 2 (a reshard world size), got {rafp}; or use default/always/never")
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Activation checkpointing (recompute activations in backward to save memory); never reentrant."""
+
+    mode: Literal["none", "full", "selective_op", "ratio", "memory_budget"] = "none"
+    """'none'; 'full': every block recomputes its forward in backward; 'selective_op': save the outputs of
+    every other matmul, the attention ops and reduce-scatters, recompute the rest; 'ratio': fully checkpoint
+    a fraction of the blocks (see ratio); 'memory_budget': let torch.compile choose what to recompute
+    (needs compile.enable; see memory_budget)."""
+    ratio: float = 0.5
+    """For mode 'ratio': fraction p in [0, 1] of the blocks checkpointed, evenly spaced (0: none, 1: all)."""
+    memory_budget: float = 0.5
+    """For mode 'memory_budget': torch._functorch.config.activation_memory_budget in [0, 1]; 1 saves what
+    compile would save anyway, 0 recomputes as much as possible."""
+
+    def validate(self) -> None:
+        _check(0.0 <= self.ratio <= 1.0, "activation_checkpoint.ratio", f"must be in [0, 1], got {self.ratio}")
+        _check(0.0 <= self.memory_budget <= 1.0, "activation_checkpoint.memory_budget",
+               f"must be in [0, 1], got {self.memory_budget}")
+
+
+@dataclass
 class Checkpoint:
     """Checkpoints (torch.distributed.checkpoint) that resume exactly, and a model-only export."""
 
@@ -352,6 +429,8 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     compile: Compile = field(default_factory=Compile)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault: Fault = field(default_factory=Fault)
 
@@ -361,6 +440,9 @@ class JobConfig:
             section_validate = getattr(getattr(self, f.name), "validate", None)
             if section_validate is not None:
                 section_validate()
+        if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
+            raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
+                              "add --compile.enable or choose another mode (full, selective_op, ratio)")
         # The model's own consistency rules (divisibility, seq_len <= max_seq_len) live with the model.
         from nsa_titan.models import get_model_args
 
