@@ -1,0 +1,125 @@
+"""Data-parallel wrappers: FSDP2 (the default), and FSDP1 / DDP for comparison.
+
+Sharding units (FSDP2 and FSDP1 alike): the token embedding, each transformer block, [final norm + output]
+and the root (whatever is left). A unit's parameters are all-gathered just before it runs and its
+gradients reduce-scattered just after its backward, so communication overlaps the neighbouring units'
+compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_param_dtype(param_dtype: str, mixed_precision: str, device: torch.device) -> torch.dtype:
+    """'auto' follows training.mixed_precision, which CPU runs ignore (fp32): the same numerics as 1 rank."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if (mixed_precision == "bf16" and device.type == "cuda") else torch.float32
+    return _DTYPES[param_dtype]
+
+
+def _reshard_policy(value: Any) -> tuple[bool | int, bool]:
+    """(blocks' reshard_after_forward, last unit's). The last unit (norm + output) is needed again at the
+    very start of backward, so resharding it after forward would only re-gather it at once."""
+    if value == "always":
+        return True, True
+    if value == "never":
+        return False, False
+    if value == "default":
+        return True, False
+    return int(value), False  # reshard to a smaller world (e.g. within a node): an int divisor of dp_shard
+
+
+def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype, device: torch.device) -> None:
+    """fully_shard per unit (see module docstring). HSDP when ``mesh`` is 2-D (replicate x shard)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype])
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload else OffloadPolicy()
+    blocks_reshard, last_reshard = _reshard_policy(pcfg.fsdp_reshard_after_forward)
+    common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
+
+    fully_shard(model.tok_embeddings, reshard_after_forward=blocks_reshard, **common)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=blocks_reshard, **common)
+    fully_shard([model.norm, model.output], reshard_after_forward=last_reshard, **common)
+    # The root's own parameters (none today) are needed through the whole step: never reshard them.
+    fully_shard(model, reshard_after_forward=False, **common)
+
+    n = pcfg.fsdp_prefetch
+    if n > 0:
+        # Explicit prefetch: issue the next n blocks' all-gathers when block i starts (forward), the previous
+        # n blocks' when block i's backward starts; more overlap than the implicit one-ahead, more memory.
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
+
+
+def apply_fsdp1(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    """FullyShardedDataParallel with auto-wrap per block (+ embedding, + [norm, output] via the root).
+
+    FSDP1 cannot run our model-level ``init_weights`` per unit, so the model must already be materialised.
+    """
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: PLC0415
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
+    from torch.distributed.fsdp.wrap import CustomPolicy  # noqa: PLC0415
+
+    strategy = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStrategy.SHARD_GRAD_OP,
+                "hybrid": ShardingStrategy.HYBRID_SHARD}[pcfg.fsdp1_sharding_strategy]
+    prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
+                "none": None}[pcfg.fsdp1_backward_prefetch]
+    mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype], buffer_dtype=None)
+    # Wrap exactly the objects in model.layers (after AC / compile wrapping), whatever their class, so
+    # that FSDP never wraps a module inside a compiled or checkpointed block.
+    units = {id(m) for m in (model.tok_embeddings, *model.layers.values())}
+    policy = CustomPolicy(_InUnits(units))
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=strategy,
+        mixed_precision=mp,
+        use_orig_params=pcfg.fsdp1_use_orig_params,
+        limit_all_gathers=pcfg.fsdp1_limit_all_gathers,
+        forward_prefetch=pcfg.fsdp1_forward_prefetch,
+        backward_prefetch=prefetch,
+        device_mesh=mesh,
+        device_id=device,  # FSDP1 refuses a CPU-only process unless told the device explicitly
+    )
+
+
+class _InUnits:
+    """FSDP1 CustomPolicy lambda: wrap a module iff it is one of the chosen units (an object, no closure)."""
+
+    def __init__(self, unit_ids: set[int]):
+        self.unit_ids = unit_ids
+
+    def __call__(self, module: nn.Module) -> bool:
+        return id(module) in self.unit_ids
+
+
+def ddp_static_graph_valid(pcfg: Any, grad_accum_steps: int) -> bool:
+    """static_graph is valid when every backward reduces the same way: DDP's static-graph reducer asserts
+    inside ``no_sync`` backwards, i.e. with grad accumulation that syncs on the last micro-batch only."""
+    return pcfg.ddp_static_graph and (grad_accum_steps == 1 or pcfg.grad_sync == "every_micro_batch")
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, pcfg: Any, device: torch.device, grad_accum_steps: int) -> nn.Module:
+    """DistributedDataParallel over every rank; the model must already be materialised (DDP broadcasts
+    rank 0's parameters at construction)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=mesh.get_group(),
+        # Valid with every AC mode because checkpointing is never reentrant: each parameter's gradient
+        # hook fires exactly once per backward.
+        static_graph=ddp_static_graph_valid(pcfg, grad_accum_steps),
+    )

@@ -1,0 +1,98 @@
+"""parallelize_nsa: activation checkpointing -> per-block torch.compile -> data parallelism -> materialise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nsa_titan.config import ConfigError
+from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids
+from nsa_titan.parallelisms.compile import apply_compile
+from nsa_titan.parallelisms.data_parallel import apply_ddp, apply_fsdp1, apply_fsdp2, resolve_param_dtype
+from nsa_titan.parallelisms.parallel_dims import ParallelDims
+
+
+def materialize(model: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
+    """Allocate a meta model's storage on ``device`` and initialise it (``to_empty`` + ``init_weights``).
+
+    On an FSDP2 model the parameters are DTensors, so each rank allocates and initialises only its shard.
+    """
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=buffer_device or device)
+
+
+def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
+                    device: torch.device | None = None, *, compile_backend: str = "inductor") -> nn.Module:
+    """Make a meta-device NSA model ready to train on this rank; returns the model to call (may be a wrapper).
+
+    Order, and why:
+
+    1. Activation checkpointing wraps each block first, so that the checkpointed region is exactly one
+       block and everything applied later (compile, FSDP hooks) sees the wrapped block as the unit.
+    2. torch.compile per block next, so that the compiled graph contains the checkpoint region: compile
+       then honours the recompute decisions (full, or the selective policy's tags), and 'memory_budget'
+       lets its partitioner choose them. Compiling after FSDP would put FSDP's hooks into the graph.
+    3. Data parallelism last, wrapping the compiled blocks: FSDP's all-gather / reduce-scatter hooks run
+       outside the compiled graphs, around each block, and a block's recompute in backward runs while
+       FSDP holds its parameters unsharded (so recomputation never re-issues the all-gather itself).
+    4. Materialise last for FSDP2: parameters are already sharded DTensors, so each rank allocates only its
+       shard. DDP and FSDP1 need real tensors to wrap (DDP broadcasts them, FSDP1 flattens them and cannot
+       run our model-level init per unit): there, the model is materialised just before wrapping.
+
+    ``device`` defaults to ``training.device`` resolved for this process (cuda:LOCAL_RANK or cpu).
+    ``compile_backend``: see ``apply_compile`` (tests use a cheaper backend with the same partitioner).
+    """
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError("parallelize_nsa expects a model built under `with torch.device('meta')`: it shards "
+                         "before allocating, so no rank ever holds the full model")
+    if device is None:
+        from nsa_titan.components.runtime import resolve_device, world_from_env  # noqa: PLC0415
+
+        device = resolve_device(job_config.training.device, world_from_env().local_rank)
+    ac, pc = job_config.activation_checkpoint, job_config.parallelism
+    if ac.mode == "memory_budget" and not job_config.compile.enable:
+        raise ConfigError("activation_checkpoint.mode 'memory_budget' needs --compile.enable (compile's "
+                          "partitioner applies the budget)")
+
+    apply_ac(model, ac)
+    if job_config.compile.enable:
+        budget = ac.memory_budget if ac.mode == "memory_budget" else None
+        apply_compile(model, job_config.compile, budget, backend=compile_backend)
+
+    mesh = parallel_dims.build_mesh(device)
+    kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"
+    param_dtype = resolve_param_dtype(pc.param_dtype, job_config.training.mixed_precision, device)
+    if kind == "fsdp2":
+        apply_fsdp2(model, mesh, pc, param_dtype, device)
+        # CPU offload keeps the sharded parameters in host memory; the RoPE buffers still live on the GPU.
+        materialize(model, torch.device("cpu") if pc.fsdp_cpu_offload else device, buffer_device=device)
+    else:
+        materialize(model, device)
+        if kind == "fsdp1":
+            model = apply_fsdp1(model, mesh, pc, param_dtype, device)
+        elif kind == "ddp":
+            model = apply_ddp(model, mesh, pc, device, job_config.training.grad_accum_steps)
+    model.train()
+    return model
+
+
+def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers: int) -> str:
+    """One log line: data parallelism, mesh, AC and compile as they were applied."""
+    ac, pc = job_config.activation_checkpoint, job_config.parallelism
+    if parallel_dims.dp_enabled:
+        shape, names = parallel_dims.mesh_shape()
+        dp = f"{parallel_dims.data_parallel} over {parallel_dims.dp_degree} ranks, mesh " + \
+             " x ".join(f"{n}={s}" for n, s in zip(names, shape)) + f", grad sync {pc.grad_sync}"
+    else:
+        dp = "no data parallelism (1 rank)"
+    if ac.mode == "ratio":
+        ac_text = f"ratio {ac.ratio} (blocks {ratio_block_ids(n_layers, ac.ratio)})"
+    elif ac.mode == "memory_budget":
+        ac_text = f"memory_budget {ac.memory_budget}"
+    else:
+        ac_text = ac.mode
+    compiled = f"per-block (fullgraph={job_config.compile.fullgraph})" if job_config.compile.enable else "off"
+    return f"parallelism: {dp} | activation checkpointing: {ac_text} | compile: {compiled}"
