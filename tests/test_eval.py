@@ -176,7 +176,9 @@ def test_gpu_scripts_smoke_run_on_cpu(tmp_path):
                         "1", "--training.device", "cpu", "--job.dump_folder", str(tmp_path / "dump"),
                         "--lengths", "256", "--depths", "0,1", "--samples", "1", "--out", str(tmp_path), "--tag", "t"])
     assert set(out["results"]) == {"nsa", "dense"} and (tmp_path / "t.md").is_file()
-    assert (tmp_path / "dump" / "compare-t" / "nsa.pt").is_file()
+    # Trained by the trainer into DCP checkpoints, evaluated from them (args from the checkpoint's marker).
+    assert out["results"]["nsa"]["checkpoint"].endswith("compare-t/nsa/checkpoints/step-00000002")
+    assert out["results"]["dense"]["steps"] == 2
     spec = importlib.util.spec_from_file_location("bench_decode", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

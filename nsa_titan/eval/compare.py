@@ -5,17 +5,17 @@
         --training.seq_len 4096 --training.steps 400 --lengths 1024,2048,4096,8192,16384,32768,65536 \
         --samples 20 --out benchmarks/results --tag needle_m7c
 
-Training runs in this process (the trainer's own pieces: nsa_titan.train.build_training_model, the
-optimizer, LR schedule, train_step and data loader) because the trainer does not save checkpoints yet;
-``--checkpoints nsa=PATH,dense=PATH`` evaluates saved weights instead. Trained weights are written to
-``<job.dump_folder>/compare-<tag>/<variant>.pt`` (a plain state dict: generate and eval load it). Writes
-``<out>/<tag>.json`` and ``<out>/<tag>.md`` with device, software versions, date and the targets' status.
+Each variant is trained by the project's trainer (``nsa_titan.train.main`` in this process, checkpointing on)
+into ``<job.dump_folder>/compare-<tag>/<variant>`` and evaluated from its final DCP checkpoint (which
+generate and the other evals load too); a re-run resumes there instead of training again.
+``--checkpoints nsa=PATH,dense=PATH`` evaluates existing checkpoints instead (e.g. from a multi-GPU torchrun
+training). Writes ``<out>/<tag>.json`` and ``<out>/<tag>.md`` with device, software versions, date and the
+targets' status.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -23,44 +23,27 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
-from nsa_titan.components.lr_scheduler import build_lr_scheduler
-from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.runtime import (World, autocast_context, device_name, resolve_device, seed_everything,
-                                          software_versions)
-from nsa_titan.components.train_step import move_batch, train_step
+from nsa_titan.checkpoint import list_checkpoints
+from nsa_titan.components.runtime import autocast_context, device_name, resolve_device, software_versions
 from nsa_titan.config import ConfigError, job_config_to_dict, load_job_config
-from nsa_titan.data import build_dataloader, build_tokenizer
+from nsa_titan.data import build_tokenizer
 from nsa_titan.eval.needle import accuracy_table, evaluate_needle, filler_from, parse_floats, parse_ints, task_kwargs_from
 from nsa_titan.generate import build_inference_model, resolve_inference_args
-from nsa_titan.train import build_training_model, resolve_model_args
+from nsa_titan.train import main as train_main
 
 
-def train_variant(job_config, device: torch.device, log=print) -> tuple[dict, dict]:
-    """Train from scratch as ``python -m nsa_titan.train`` would (single process); returns (state dict, info)."""
-    tc = job_config.training
-    seed_everything(tc.seed)
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
-    args = resolve_model_args(job_config, tokenizer.vocab_size)
-    model = build_training_model(job_config, args, device, World())
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, job_config.optimizer, device.type)
-    scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
-    loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              seed=tc.seed, split="train")
-    autocast = functools.partial(autocast_context, device, tc.mixed_precision)
-    losses, t0 = [], time.perf_counter()
-    for step in range(1, tc.steps + 1):
-        micro = [move_batch(next(loader), device) for _ in range(tc.grad_accum_steps)]
-        loss, _ = train_step(model, optimizer, scheduler, micro, params=params, max_norm=tc.max_norm, autocast=autocast)
-        if step % max(job_config.metrics.log_freq, 1) == 0 or step == tc.steps:
-            losses.append((step, loss.item()))  # host sync only on log steps
-            log(f"[{args.attn_type}] step {step}/{tc.steps} loss {losses[-1][1]:.4f}")
-    plain = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
-    state = {k: v.detach().cpu() for k, v in plain.state_dict().items()}
-    return state, {"train_seconds": time.perf_counter() - t0, "losses": losses, "steps": tc.steps,
-                   "model_args": dataclasses.asdict(args)}
+def train_variant(argv: list[str], variant: str, folder: Path) -> tuple[str, dict]:
+    """Train with the project's trainer (``nsa_titan.train.main``, in this process) into ``folder`` with
+    checkpointing on; returns (the final checkpoint folder, the run's summary). Re-running resumes from the
+    newest checkpoint there, so a finished variant is not trained again."""
+    summary = train_main([*argv, "--model.attn_type", variant, "--job.dump_folder", str(folder),
+                          "--checkpoint.enable", "--checkpoint.folder", "checkpoints"])
+    found = list_checkpoints(folder / "checkpoints")
+    if not found:
+        raise ValueError(f"training {variant} left no checkpoint in {folder / 'checkpoints'}")
+    info = {k: summary.get(k) for k in ("steps", "initial_loss", "final_loss", "tokens_per_s", "interrupted")}
+    return str(found[-1][1]), info
 
 
 def check_targets(results: dict) -> dict:
@@ -95,15 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = build_tokenizer(job_config.data.tokenizer)
         info, ckpt = {}, checkpoints.get(variant)
         if ckpt is None:
-            state, info = train_variant(job_config, device)
-            save_dir = Path(job_config.job.dump_folder) / f"compare-{ns.tag}"
-            save_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(state, save_dir / f"{variant}.pt")
-            info["weights"] = str(save_dir / f"{variant}.pt")
+            ckpt, info = train_variant(rest, variant, Path(job_config.job.dump_folder) / f"compare-{ns.tag}" / variant)
         args = resolve_inference_args(job_config, ckpt, max(ns.lengths))
         model = build_inference_model(args, ckpt, device)
-        if ckpt is None:
-            model.load_state_dict(state, strict=False)  # rope_* buffers are not in a state dict's persistent set
         autocast = functools.partial(autocast_context, device, job_config.training.mixed_precision)
         t0 = time.perf_counter()
         rows = evaluate_needle(model, tokenizer, lengths=ns.lengths, depths=ns.depths, samples=ns.samples,
