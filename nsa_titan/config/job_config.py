@@ -413,8 +413,8 @@ class Fault:
             value = getattr(self, name)
             _check(value > 0 and math.isfinite(value), f"fault.{name}", f"must be > 0 seconds, got {value}")
         _check(self.peer_timeout_s >= 2 * self.heartbeat_interval_s, "fault.peer_timeout_s",
-               f"({self.peer_timeout_s}) must be at least twice fault.heartbeat_interval_s "
-               f"({self.heartbeat_interval_s}), or live ranks would be taken for dead")
+               f"must be at least twice fault.heartbeat_interval_s ({self.heartbeat_interval_s}), or live ranks "
+               f"would be taken for dead; got {self.peer_timeout_s}")
 
 
 @dataclass

@@ -1,0 +1,200 @@
+"""Failures that end loudly: non-finite steps skipped or stopped on, the hang watchdog, dead peers, and bad
+input reported before any model is built."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from _ckpt_util import args, ckpt_args, losses, run, run_worker
+from nsa_titan.checkpoint import inspect_checkpoint, step_dir_name
+from nsa_titan.components.failure import EXIT_PEER_FAILED, EXIT_WATCHDOG, NonFiniteError, TrainHooks
+from nsa_titan.components.watchdog import Watchdog, heartbeat_path
+from nsa_titan.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
+    yield
+    torch.set_num_threads(before)
+
+
+class InjectNaN(TrainHooks):
+    """Poisons every gradient and reports a NaN loss at the given steps; records weights and AdamW's step
+    count at the start of each step."""
+
+    def __init__(self, *bad_steps: int):
+        self.bad = set(bad_steps)
+        self.weights: dict[int, list[torch.Tensor]] = {}
+        self.adam_steps: dict[int, float] = {}
+
+    def on_train_start(self, ctx):
+        self.model, self.optimizer = ctx["model"], ctx["optimizer"]
+
+    def on_step_start(self, step):
+        self.weights[step] = [p.detach().clone() for p in self.model.parameters()]
+        state = self.optimizer.state.get(next(self.model.parameters()), {})
+        self.adam_steps[step] = float(state["step"]) if "step" in state else 0.0
+
+    def before_optimizer_step(self, step, loss, grad_norm):
+        if step not in self.bad:
+            return loss, grad_norm
+        for p in self.model.parameters():
+            p.grad.fill_(float("nan"))
+        return loss * float("nan"), grad_norm * float("inf")
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_nonfinite_step_is_skipped_exactly(tmp_path):
+    hooks = InjectNaN(3)
+    summary, out = run(args(tmp_path, "--fault.nonfinite", "skip", steps=6), hooks=hooks)
+    assert same(hooks.weights[4], hooks.weights[3])  # step 3's update was dropped...
+    assert hooks.adam_steps[4] == hooks.adam_steps[3] == 2  # ...including AdamW's step count
+    assert not same(hooks.weights[5], hooks.weights[4])  # and training went on
+    assert "non-finite loss or grad norm at step 3" in out and "updates skipped at 1 step(s): 3" in out
+    assert summary["steps"] == 6 and math.isfinite(summary["final_loss"])
+    assert all(torch.isfinite(p).all() for p in hooks.model.parameters())
+
+
+def test_too_many_skipped_steps_stop_the_run(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"updates skipped at 2 step\(s\): 2, 3; checkpointing is off"):
+        run(args(tmp_path, "--fault.nonfinite", "skip", "--fault.nonfinite_max_skips", "1", steps=6),
+            hooks=InjectNaN(2, 3))
+
+
+def test_nonfinite_stop_saves_last_good_state_and_resume_is_exact(tmp_path):
+    """NaN at step 3 found on the log step 4 (no per-step sync): the run rewinds to the state after step 2,
+    saves it, exits naming step 3; resuming from it without the fault reproduces a clean run."""
+    steps = 8
+    clean = tmp_path / "clean"
+    run(args(clean, steps=steps))
+    hooks = InjectNaN(3)
+    dump = tmp_path / "faulty"
+    with pytest.raises(NonFiniteError, match=r"at step 3 \(loss nan, grad norm inf\); saved the last good state "
+                                             r"\(step 2\)") as info:
+        run(ckpt_args(dump, "--metrics.log_freq", "4", steps=steps, interval=100), hooks=hooks)
+    assert info.value.step == 3 and info.value.saved == dump / "checkpoints" / step_dir_name(2)
+    meta, problem = inspect_checkpoint(info.value.saved)
+    assert problem is None and meta["step"] == 2 and meta["tokens_seen"] == 2 * 2 * 64
+    assert same(hooks.weights[4], hooks.weights[3])  # updates were dropped from the bad step on
+
+    class Capture(TrainHooks):
+        def on_train_start(self, ctx):
+            self.weights = [p.detach().clone() for p in ctx["model"].parameters()]
+
+    cap = Capture()
+    run(ckpt_args(dump, steps=steps, interval=100), hooks=cap)
+    assert same(cap.weights, hooks.weights[3])  # the saved weights are those after step 2
+    want, got = losses(clean), losses(dump)
+    assert sorted(got) == list(range(3, steps + 1)) and all(got[s] == want[s] for s in got), (want, got)
+
+
+def test_nonfinite_check_every_step_stops_at_the_bad_step(tmp_path):
+    hooks = InjectNaN(3)
+    with pytest.raises(NonFiniteError, match="at step 3 .*checkpointing is off"):
+        run(args(tmp_path, "--metrics.log_freq", "10", "--fault.nonfinite_check_every_step", steps=8), hooks=hooks)
+    assert max(hooks.weights) == 3  # stopped right after step 3, not at the log step 8
+
+
+def test_watchdog_dumps_stacks_and_exits_on_a_stall(tmp_path):
+    t0 = time.monotonic()
+    proc = run_worker("stall", 3, args(tmp_path, "--fault.watchdog_timeout_s", "2", "--fault.heartbeat_interval_s",
+                                       "0.5", "--fault.peer_timeout_s", "2", steps=6), timeout=180)
+    assert proc.returncode == EXIT_WATCHDOG, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "WATCHDOG: no training step finished for" in proc.stderr and "after step 2" in proc.stderr
+    assert "in on_step_start" in proc.stderr  # the stalled frame is in the dump
+    stacks = (tmp_path / "fault" / "rank0_stacks.txt").read_text()
+    assert "on_step_start" in stacks and "Thread" in stacks
+    beat = json.loads(heartbeat_path(tmp_path / "heartbeat", 0).read_text())
+    assert beat["status"] == "hung" and beat["step"] == 2
+    print(f"stall -> exit {proc.returncode} after {time.monotonic() - t0:.1f}s (incl. start-up)")
+
+
+def _watchdog(tmp_path, codes, **kw):
+    opts = dict(rank=0, world_size=2, heartbeat_dir=tmp_path / "hb", fault_dir=tmp_path / "fault", timeout_s=30,
+                first_step_timeout_s=30, heartbeat_interval_s=0.1, peer_timeout_s=1.0, run_id="run",
+                exit_fn=codes.append, stream=open(os.devnull, "w"))
+    opts.update(kw)
+    return Watchdog(**opts)
+
+
+def _wait_for(codes, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not codes and time.monotonic() < end:
+        time.sleep(0.05)
+    return codes
+
+
+@pytest.mark.parametrize("peer", ["silent", "failed", "other_run"])
+def test_watchdog_sees_a_dead_peer(tmp_path, peer):
+    codes = []
+    wd = _watchdog(tmp_path, codes).start()
+    try:
+        wd.step_done(1)
+        beat = {"rank": 1, "pid": 123, "host": "h", "run_id": "other" if peer == "other_run" else "run", "step": 4,
+                "status": "failed" if peer == "failed" else "running", "time": time.time() - 5,
+                "detail": "RuntimeError: boom"}
+        heartbeat_path(tmp_path / "hb", 1).write_text(json.dumps(beat))
+        _wait_for(codes, 2.0 if peer == "other_run" else 10.0)
+    finally:
+        wd.stop()
+    if peer == "other_run":  # a stale heartbeat of an earlier run in the same folder is ignored
+        assert codes == []
+        return
+    assert codes == [EXIT_PEER_FAILED]
+    assert "rank 1" in wd.fired and ("died" in wd.fired if peer == "silent" else "RuntimeError: boom" in wd.fired)
+
+
+def test_watchdog_fires_on_no_progress(tmp_path):
+    codes = []
+    wd = _watchdog(tmp_path, codes, world_size=1, timeout_s=0.3, first_step_timeout_s=0.3).start()
+    try:
+        assert _wait_for(codes) == [EXIT_WATCHDOG]
+    finally:
+        wd.stop()
+    assert "before the first step" in wd.fired and "_wait_for" in (tmp_path / "fault" / "rank0_stacks.txt").read_text()
+
+
+BAD_INPUT = [
+    (["--training.steps", "0"], r"training.steps: must be >= 1"),
+    (["--model.flavor", "gigantic"], r"model.flavor: unknown flavor 'gigantic'.*valid flavors: debug"),
+    (["--data.dataset", "text_files"], r"data.path: is required for data.dataset='text_files'"),
+    (["--data.dataset", "text_files", "--data.path", "/no/such/dir"], r"data.path: '/no/such/dir' does not exist"),
+    (["--training.seq_len", "2048"], r"model.max_seq_len: training.seq_len=2048 exceeds"),
+    (["--model.n_kv_heads", "3"], r"model.n_kv_heads: n_heads=4 must be a multiple"),
+    (["--model.cmp_stride", "3"], r"model.cmp_stride: d=3 must divide l=cmp_block=8"),
+    (["--lr_scheduler.warmup_steps", "50"], r"lr_scheduler.warmup_steps \(50\) exceeds training.steps \(20\)"),
+    (["--training.device", "cuda"], r"training.device = 'cuda' but no CUDA device"),
+    (["--optimizer.fused", "false"], r"optimizer.fused: false, but fault.nonfinite='stop'"),
+    (["--checkpoint.interval", "0"], r"checkpoint.interval: must be >= 1"),
+    (["--checkpoint.keep_latest_k", "-1"], r"checkpoint.keep_latest_k: must be >= 0"),
+    (["--checkpoint.resume_from", "/no/ckpt"], r"checkpoint.resume_from: '/no/ckpt' is not a complete checkpoint"),
+    (["--fault.watchdog_timeout_s", "-1"], r"fault.watchdog_timeout_s: must be >= 0"),
+    (["--fault.heartbeat_interval_s", "10", "--fault.peer_timeout_s", "5"],
+     r"fault.peer_timeout_s: must be at least twice fault.heartbeat_interval_s \(10.0\)"),
+    (["--fault.nonfinite", "ignore"], r"fault.nonfinite: invalid value 'ignore'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_fails_before_the_model_is_built(tmp_path, monkeypatch, extra, message):
+    import nsa_titan.train as train_mod
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the bad input was reported")
+
+    monkeypatch.setattr(train_mod, "build_model", no_model)
+    if torch.cuda.is_available() and "cuda" in extra:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises((ConfigError, ValueError, RuntimeError), match=message):
+        run(args(tmp_path, *extra))
