@@ -4,7 +4,8 @@ Public entry point: ``nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win,
 contract of ``nsa_titan.models.nsa.torch_impl.nsa_attention``. The kernels are registered as torch
 operators, so that torch.compile(fullgraph=True) traces through them and an activation-checkpoint policy
 can name them: ``torch.ops.nsa_titan.band_attn`` (compressed and sliding-window branches),
-``torch.ops.nsa_titan.select_blocks``, ``torch.ops.nsa_titan.sel_attn`` and their ``*_bwd`` ops
+``torch.ops.nsa_titan.select_blocks``, ``torch.ops.nsa_titan.sel_attn``, ``torch.ops.nsa_titan.gate_combine``
+and their ``*_bwd`` ops
 (see ``OPS``).
 
 Nothing from ``nsa_titan.models`` is imported here: models/nsa/attention.py imports this package.

@@ -18,11 +18,12 @@ contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
+
+from nsa_titan.kernels.combine import pow2, rowdot
 
 LOG2E = 1.4426950408889634
 
@@ -184,10 +185,6 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, sqb, sqt, sqh, skb, sks,
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
 
 
-def pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, x))))
-
-
 # Launch shapes measured best by benchmarks/bench_attention.py --sweep, keyed by
 # (kernel, next_pow2(G), max head dim, windowed); anything absent falls back to the heuristic below.
 # Values: rows (query rows per tile = tokens * next_pow2(G)), BK (keys per tile), num_warps, num_stages.
@@ -258,7 +255,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)  # [B, T, HQ]: rowsum(dO * O), the softmax-backward term
+    delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
     dims = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
                 DVP=pow2(max(DV, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])

@@ -1,8 +1,8 @@
 """Torch operators around the Triton kernels (custom ops: opaque to torch.compile, with fake shapes and
 autograd), and ``nsa_attention`` composed from them.
 
-The branch outputs are combined with the gates in plain torch: under torch.compile that elementwise epilogue
-fuses into one kernel, and autograd gives the gate gradients (sum over Dv of dOut * o_branch) for free.
+The gate combination is its own operator (one fused pass forward, one backward that also yields the gate
+gradients): eager torch spent ~9 elementwise passes on it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from nsa_titan.kernels import band, select, selected
+from nsa_titan.kernels import band, combine, select, selected
 
 
 def _c(x: Tensor) -> Tensor:
@@ -115,8 +115,41 @@ def _sel_backward(ctx, do, _dlse):
 
 sel_attn.register_autograd(_sel_backward, setup_context=_sel_setup)
 
+# --- gated combination of the three branches ---
+@custom_op("nsa_titan::gate_combine", mutates_args=())
+def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
+    return combine.combine_fwd(o_cmp, o_slc, o_win, gates)
+
+
+@gate_combine.register_fake
+def _(o_cmp, o_slc, o_win, gates):
+    return _like(o_cmp)
+
+
+@custom_op("nsa_titan::gate_combine_bwd", mutates_args=())
+def gate_combine_bwd(dout: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor,
+                     gates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
+
+
+@gate_combine_bwd.register_fake
+def _(dout, o_cmp, o_slc, o_win, gates):
+    return _like(o_cmp), _like(o_slc), _like(o_win), _like(gates)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_backward(ctx, dout):
+    return gate_combine_bwd(dout, *ctx.saved_tensors)
+
+
+gate_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
 OPS = {"band_attn": band_attn, "band_attn_bwd": band_attn_bwd, "select_blocks": select_blocks,
-       "sel_attn": sel_attn, "sel_attn_bwd": sel_attn_bwd}
+       "sel_attn": sel_attn, "sel_attn_bwd": sel_attn_bwd, "gate_combine": gate_combine,
+       "gate_combine_bwd": gate_combine_bwd}
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p):
@@ -134,6 +167,4 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p):
                               p.slc_top_n)
     o_slc, _ = sel_attn(q, k_slc, v_slc, block_idx, p.slc_block)
     o_win, _ = band_attn(q, k_win, v_win, 1, 0, p.window)
-    g = gates.unsqueeze(-1).to(o_cmp.dtype)
-    out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
-    return out, block_idx
+    return gate_combine(o_cmp, o_slc, o_win, gates), block_idx

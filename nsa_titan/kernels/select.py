@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, TUNED, pow2
+from nsa_titan.kernels.band import LOG2E, TUNED
+from nsa_titan.kernels.combine import pow2
 
 
 @triton.jit

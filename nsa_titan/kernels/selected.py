@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, TUNED, pow2
+from nsa_titan.kernels.band import LOG2E, TUNED
+from nsa_titan.kernels.combine import pow2, rowdot
 
 
 @triton.jit
@@ -207,7 +208,7 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     n = block_idx.shape[-1]
     G, c = _consts(q, k, v, slc_block, n)
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)
+    delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
     lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)

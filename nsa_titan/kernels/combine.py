@@ -1,0 +1,107 @@
+"""Memory-bound epilogues, one pass each over [rows = B*T*HQ, Dv]:
+
+- gate combination o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win (fp32 math, one rounding) and its backward
+  (dO_i = g_i * dOut and dg_i = sum_d dOut * o_i in one read of dOut and the three branch outputs); in eager
+  torch this was ~9 separate elementwise passes (about 25 GB at 64k paper size, fwd+bwd);
+- delta = rowsum(dO * O) in fp32, the softmax-backward term each branch needs, without materialising fp32
+  copies of dO and O (torch's do.float() * o.float() moved ~10 GB per branch at that size).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def pow2(x: int) -> int:
+    return 1 << max(0, (max(1, x) - 1).bit_length())
+
+
+
+@triton.jit
+def _rowdot(A, B, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    d = tl.arange(0, DP)
+    m = (r[:, None] < N) & (d[None, :] < D)
+    a = tl.load(A + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    b = tl.load(B + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + r, tl.sum(a * b, 1), mask=r < N)
+
+
+@triton.jit
+def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    d = tl.arange(0, DP)
+    rm = r < N
+    m = rm[:, None] & (d[None, :] < D)
+    off = r[:, None] * D + d[None, :]
+    g0 = tl.load(G + r * 3, mask=rm, other=0.0).to(tl.float32)
+    g1 = tl.load(G + r * 3 + 1, mask=rm, other=0.0).to(tl.float32)
+    g2 = tl.load(G + r * 3 + 2, mask=rm, other=0.0).to(tl.float32)
+    o = g0[:, None] * tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
+    o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
+    o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + off, o.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, N, D: tl.constexpr, DP: tl.constexpr,
+                 BR: tl.constexpr):
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    d = tl.arange(0, DP)
+    rm = r < N
+    m = rm[:, None] & (d[None, :] < D)
+    off = r[:, None] * D + d[None, :]
+    dout = tl.load(DOUT + off, mask=m, other=0.0).to(tl.float32)
+    g0 = tl.load(G + r * 3, mask=rm, other=0.0).to(tl.float32)
+    g1 = tl.load(G + r * 3 + 1, mask=rm, other=0.0).to(tl.float32)
+    g2 = tl.load(G + r * 3 + 2, mask=rm, other=0.0).to(tl.float32)
+    tl.store(DOC + off, (g0[:, None] * dout).to(DOC.dtype.element_ty), mask=m)
+    tl.store(DOS + off, (g1[:, None] * dout).to(DOS.dtype.element_ty), mask=m)
+    tl.store(DOW + off, (g2[:, None] * dout).to(DOW.dtype.element_ty), mask=m)
+    oc = tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DG + r * 3, tl.sum(dout * oc, 1), mask=rm)
+    os_ = tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DG + r * 3 + 1, tl.sum(dout * os_, 1), mask=rm)
+    ow = tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DG + r * 3 + 2, tl.sum(dout * ow, 1), mask=rm)
+
+
+def _rows_per_program(x: torch.Tensor, d: int) -> int:
+    if x.device.type != "cuda":
+        return 64
+    return max(1, min(64, 8192 // pow2(d)))  # ~8k elements per tensor per program: 16 B loads, no spills
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., D] x [..., D] (contiguous) -> [...] fp32 sum over D of a*b."""
+    a, b = a.contiguous(), b.contiguous()
+    d = a.shape[-1]
+    n = a.numel() // max(d, 1)
+    out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
+    br = _rows_per_program(a, d)
+    _rowdot[(triton.cdiv(n, br),)](a, b, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
+    return out
+
+
+def combine_fwd(o_c, o_s, o_w, gates):
+    o_c, o_s, o_w, gates = (x.contiguous() for x in (o_c, o_s, o_w, gates))
+    d = o_c.shape[-1]
+    n = o_c.numel() // d
+    out = torch.empty_like(o_c)
+    br = _rows_per_program(o_c, d)
+    _combine_fwd[(triton.cdiv(n, br),)](o_c, o_s, o_w, gates, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
+    return out
+
+
+def combine_bwd(dout, o_c, o_s, o_w, gates):
+    dout, o_c, o_s, o_w, gates = (x.contiguous() for x in (dout, o_c, o_s, o_w, gates))
+    d = o_c.shape[-1]
+    n = o_c.numel() // d
+    doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
+    dg = torch.empty(gates.shape, device=gates.device, dtype=torch.float32)
+    br = _rows_per_program(o_c, d)
+    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, n, D=d,
+                                        DP=pow2(max(d, 16)), BR=br)
+    return doc, dos, dow, dg.to(gates.dtype)
