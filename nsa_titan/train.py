@@ -1,7 +1,7 @@
 """Train an NSA language model.
 
     python -m nsa_titan.train --config train_configs/debug_model.toml [--section.key value ...]
-    torchrun --nproc_per_node N -m nsa_titan.train ...   (N > 1 needs parallelize_nsa, issue 3)
+    torchrun --nproc_per_node N -m nsa_titan.train ...   (data parallel over N ranks: see [parallelism])
 
 Precedence of settings: command line > TOML > defaults (see ``--help``). Rank 0 prints and writes files:
 ``dump_folder/<metrics.jsonl_file>`` (one JSON object per log / val step) and ``dump_folder/summary.json``.
@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from nsa_titan.components.diagnostics import NSADiagnostics
 from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective_failure_hint
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
     World,
@@ -34,11 +37,19 @@ from nsa_titan.components.runtime import (
     software_versions,
     world_from_env,
 )
-from nsa_titan.components.train_step import evaluate, move_batch, train_step
+from nsa_titan.components.train_step import evaluate, move_batch
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
+from nsa_titan.parallelisms import (
+    CompileCounter,
+    ParallelDims,
+    describe_parallelism,
+    full_param_shapes,
+    parallelize_nsa,
+    train_step,
+)
 
 
 def _print0(world: World, *args: Any) -> None:
@@ -59,33 +70,24 @@ def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs
 
 
 def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device: torch.device,
-                         world: World) -> nn.Module:
-    """Materialise the model for training (fp32 master weights), optionally compiled.
-
-    The one seam that parallelize_nsa (issue 3: activation checkpointing -> compile -> data parallel)
-    replaces; the rest of the loop only needs ``model(tokens) -> logits`` and ``model.parameters()``.
+                         world: World, parallel_dims: ParallelDims | None = None) -> nn.Module:
+    """The model to train (fp32 master weights): built on meta, then ``parallelize_nsa`` applies activation
+    checkpointing -> per-block compile -> data parallelism and materialises it (under FSDP2 each rank
+    allocates only its shard). The rest of the loop only needs ``model(tokens) -> logits`` and
+    ``model.parameters()``.
     """
-    if world.world_size > 1:
-        raise NotImplementedError(
-            f"WORLD_SIZE={world.world_size}: data parallelism arrives with parallelize_nsa (issue 3); "
-            "for now run a single process (python -m nsa_titan.train ...)"
-        )
-    # Build on meta, then allocate once on the target device: no CPU copy of large models.
+    if parallel_dims is None:
+        parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
     with torch.device("meta"):
         model = build_model(model_args)
-    model.to_empty(device=device)
-    model.init_weights()
-    model.train()
-    if job_config.compile.enable:
-        model = torch.compile(model, fullgraph=job_config.compile.fullgraph)
-    return model
+    return parallelize_nsa(model, parallel_dims, job_config, device)
 
 
-def _fixed_val_batches(job_config: JobConfig, tokenizer, world: World) -> list[dict[str, torch.Tensor]]:
+def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims) -> list[dict[str, torch.Tensor]]:
     """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              rank=world.rank, world_size=world.world_size, seed=tc.seed, split="val")
+                              rank=dims.dp_rank(), world_size=dims.dp_degree, seed=tc.seed, split="val")
     return [next(loader) for _ in range(job_config.metrics.val_steps)]
 
 
@@ -94,7 +96,8 @@ def _uses_retrieval(job_config: JobConfig) -> bool:
 
 
 def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interrupted: bool, device: torch.device,
-                  job_config: JobConfig, model_args: NSAModelArgs, model_info: dict[str, Any]) -> dict[str, Any]:
+                  job_config: JobConfig, model_args: NSAModelArgs, model_info: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = {
         **logger.summary(),
         "steps": steps_done,
@@ -106,6 +109,7 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {**model_info, "args": dataclasses.asdict(model_args)},
         "config": job_config_to_dict(job_config),
+        **(extra or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     job_config = load_job_config(argv)
     validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
     world = world_from_env()
+    # Degrees are checked against the world size before any process group or GPU work.
+    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
     tc, mc = job_config.training, job_config.metrics
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 
@@ -132,7 +138,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
                      log=functools.partial(_print0, world), hooks=hooks)
-    model = build_training_model(job_config, model_args, device, world)
+    model = build_training_model(job_config, model_args, device, world, parallel_dims)
+    compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
+    # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
+    diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
     flops_per_token = training_flops_per_token(model_args, tc.seq_len)
     model_info = {
         "flavor": job_config.model.flavor,
@@ -145,16 +154,18 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "
                    f"device {device_name(device)}")
+    _print0(world, describe_parallelism(parallel_dims, job_config, model_args.n_layers))
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, job_config.optimizer, device.type, require_fused=res.needs_fused_optimizer)
+    with full_param_shapes(model):  # FSDP1 flattens parameters; decay groups are chosen by their real shapes
+        optimizer = build_optimizer(model, job_config.optimizer, device.type, require_fused=res.needs_fused_optimizer)
     scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
-    # Common seed on every rank: the loader shards by its explicit rank argument, and a per-rank seed
-    # would give ranks different document orders, i.e. overlapping shards.
+    # Common seed on every rank: the loader shards by its explicit (data-parallel) rank argument, and a
+    # per-rank seed would give ranks different document orders, i.e. overlapping shards.
     train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
-                                    local_batch_size=tc.local_batch_size, rank=world.rank,
-                                    world_size=world.world_size, seed=tc.seed, split="train")
-    val_batches = _fixed_val_batches(job_config, tokenizer, world) if mc.val_freq > 0 else []
+                                    local_batch_size=tc.local_batch_size, rank=parallel_dims.dp_rank(),
+                                    world_size=parallel_dims.dp_degree, seed=tc.seed, split="train")
+    val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims) if mc.val_freq > 0 else []
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
 
@@ -163,24 +174,36 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
                            rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen)
     _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
-                   f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s)")
+                   f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s) "
+                   f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")
+    profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
+                             log=lambda m: print(m, flush=True), start_step=first_step)
     steps_done, interrupted, error = first_step - 1, False, None
     try:
+        profiler.start()
         for step in range(first_step, tc.steps + 1):
             res.step_start(step)
-            micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]  # host-side data work
+            with logger.data_loading():  # host-side data work, logged as data-loading time
+                micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]
             logger.step_start()
             micro_batches = [move_batch(mb, device) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
-            loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
-                                         max_norm=tc.max_norm, autocast=autocast,
-                                         before_optimizer_step=res.before_optimizer_step)
+            with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
+                loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
+                                             max_norm=tc.max_norm, autocast=autocast,
+                                             before_optimizer_step=res.before_optimizer_step,
+                                             dp_degree=parallel_dims.dp_degree,
+                                             grad_sync=job_config.parallelism.grad_sync)
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
             logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)
             steps_done = step
             log_step = logger.should_log(step)
             if log_step:
                 logger.log(step, lr)
+                diag = diagnostics.read()  # host sync ok: log step
+                if diag is not None:
+                    logger.log_extra("nsa_diag", step, diag, line=NSADiagnostics.format_line(diag),
+                                     scalars=NSADiagnostics.scalars(diag))
             with logger.paused():  # non-finite check on log steps, checkpoint saves
                 res.step_end(step, num_tokens, log_step=log_step)
             if val_batches and (step % mc.val_freq == 0 or step == tc.steps):
@@ -188,6 +211,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                     logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
                                                   retrieval_fn=retrieval_fn))
                 res.progress()
+            profiler.step(step)  # profiler schedule and requested memory snapshots, between steps
         res.finish()  # wait for a background save; model export
     except KeyboardInterrupt as e:
         interrupted, error = True, e
@@ -199,13 +223,25 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
         raise
     finally:
+        profiler.close(error)  # an out-of-memory error writes a memory snapshot first
         logger.close()
         res.close(error)
 
+    compile_stats = None
+    if job_config.compile.enable:
+        graphs = compile_counter.graphs()
+        # Diagnostics-enabled forwards (log steps) are one more graph per block kind, expected, not recompiles.
+        expected = compile_counter.kinds * (2 if diagnostics.attached else 1)
+        compile_stats = {"graphs": graphs, "expected_graphs": expected, "recompiles": max(0, graphs - expected)}
+        _print0(world, f"compile: {graphs} graph(s) compiled for {model_args.n_layers} blocks "
+                       f"({compile_stats['recompiles']} recompile(s); TORCH_LOGS=recompiles says why)")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if not world.is_main:
         return {}
     summary = write_summary(dump / "summary.json", logger, steps_done=steps_done, interrupted=interrupted,
-                            device=device, job_config=job_config, model_args=model_args, model_info=model_info)
+                            device=device, job_config=job_config, model_args=model_args, model_info=model_info,
+                            extra={"compile": compile_stats})
     tps = summary["tokens_per_s"]
     _print0(world, f"done: {steps_done} steps, loss {summary['initial_loss']} -> {summary['final_loss']}, "
                    f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s; summary in {dump / 'summary.json'}")

@@ -92,8 +92,9 @@ def test_warmup_longer_than_run(tmp_path):
         main(run_args(tmp_path, "--training.steps", "5", "--lr_scheduler.warmup_steps", "10"))
 
 
-def test_multi_process_not_yet_supported(tmp_path, monkeypatch):
+def test_multi_process_degrees_checked_before_any_process_group(tmp_path, monkeypatch):
+    # Two-process training itself is tested in test_parallelisms.py (run_train.sh with NGPU=2 on gloo).
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(NotImplementedError, match="parallelize_nsa"):
-        main(run_args(tmp_path))
+    with pytest.raises(ConfigError, match="dp_replicate=3 does not divide the world size 2"):
+        main(run_args(tmp_path, "--parallelism.dp_replicate", "3"))
