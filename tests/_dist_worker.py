@@ -1,0 +1,266 @@
+"""Worker processes for tests/test_parallelisms.py: 2 gloo ranks on CPU, spawned by ``launch``.
+
+Every scenario compares data-parallel runs built by ``parallelize_nsa`` with a single-process run of the
+same model on the same global batches, in the same process (each rank computes the reference itself).
+Rank 0 writes ``{case: metrics}`` as JSON; the test asserts on it, so a failure names the case and numbers.
+
+The data are made to stress the normalisation: every rank gets a different number of ignored labels,
+so normalising the loss by a rank's own token count (instead of the global one) changes the gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.train_step import IGNORE_INDEX
+from nsa_titan.components.train_step import forward_backward as single_forward_backward
+from nsa_titan.config import load_job_config
+from nsa_titan.models import build_model, get_model_args
+from nsa_titan.parallelisms import ParallelDims, clip_grad_norm, full_param_shapes, materialize, parallelize_nsa
+from nsa_titan.parallelisms import forward_backward as dp_forward_backward
+
+WORLD = 2
+SEQ, LOCAL_BS, STEPS = 32, 2, 3
+# Wrapper prefixes that FSDP1 / DDP / AC / compile add to parameter names.
+_PREFIX = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def tiny_args(n_layers: int = 2):
+    return get_model_args("debug", dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
+                          ffn_hidden_dim=96, cmp_block=8, cmp_stride=4, slc_block=16, slc_top_n=3, window=24,
+                          attn_impl="torch")
+
+
+def job_config(*overrides: str, n_layers: int = 2, ga: int = 1):
+    return load_job_config(["--training.device", "cpu", "--training.seq_len", str(SEQ), "--model.n_layers",
+                            str(n_layers), "--training.grad_accum_steps", str(ga), *overrides])
+
+
+def opt_cfg():
+    # Large lr and weight decay: a wrong decay group or update shows up in the later steps' losses.
+    return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=False)
+
+
+def global_batches(step: int, ga: int, vocab: int) -> list[dict[str, torch.Tensor]]:
+    """ga micro-batches of WORLD * LOCAL_BS rows; rank r owns rows [r*LOCAL_BS, (r+1)*LOCAL_BS)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(ga):
+        tokens = torch.randint(0, vocab, (WORLD * LOCAL_BS, SEQ + 1), generator=g)
+        labels = tokens[:, 1:].clone()
+        for row in range(WORLD * LOCAL_BS):  # uneven ignored labels: rank 1 loses many more than rank 0
+            labels[row, : (row * 7) % SEQ] = IGNORE_INDEX
+        out.append({"input": tokens[:, :-1], "labels": labels})
+    return out
+
+
+def local(mb, rank):
+    return {k: v[rank * LOCAL_BS:(rank + 1) * LOCAL_BS] for k, v in mb.items()}
+
+
+def clean(name: str) -> str:
+    return _PREFIX.sub("", name)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by clean parameter name (every rank gets them)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDP1):
+        with FSDP1.summon_full_params(model, with_grads=True):
+            return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {clean(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def reference_state(n_layers: int) -> dict[str, torch.Tensor]:
+    """One process's initial weights: seed, build on meta, materialise (as the single-process trainer does)."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(tiny_args(n_layers))
+    materialize(model, torch.device("cpu"))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def run_single(state, n_layers: int, ga: int, steps: int = STEPS, ac_model=None):
+    """Single-process reference: the whole global batch, components' forward_backward, plain clipping."""
+    model = ac_model or build_model(tiny_args(n_layers))
+    model.load_state_dict(state, strict=False)
+    opt = build_optimizer(model, opt_cfg(), "cpu")
+    params = [p for p in model.parameters()]
+    losses, grads = [], []
+    for step in range(steps):
+        loss = single_forward_backward(model, global_batches(step, ga, model.args.vocab_size))
+        losses.append(loss.item())
+        grads.append({clean(n): p.grad.detach().clone() for n, p in model.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str = "inductor"):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    dims = ParallelDims.from_config(WORLD, cfg.parallelism)
+    with torch.device("meta"):
+        model = build_model(tiny_args(n_layers))
+    model = parallelize_nsa(model, dims, cfg, torch.device("cpu"), compile_backend=backend)
+    # The same initial weights as the reference (sharded / broadcast as each wrapper needs).
+    set_model_state_dict(model, {k: v for k, v in state.items() if "rope" not in k},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    with full_param_shapes(model):
+        opt = build_optimizer(model, opt_cfg(), "cpu")
+    params = [p for p in model.parameters()]
+    rank, losses, grads = dist.get_rank(), [], []
+    sync_every = cfg.parallelism.grad_sync == "every_micro_batch"
+    for step in range(steps):
+        mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
+        loss = dp_forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)
+        losses.append(loss.item())
+        grads.append(full_grads(model))
+        clip_grad_norm(model, params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def init_matches_single_process(dp: str) -> dict:
+    """parallelize_nsa's own initialisation (no state loaded) == one process's init with the same seed."""
+    cfg = job_config("--parallelism.data_parallel", dp)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(tiny_args())
+    model = parallelize_nsa(model, ParallelDims.from_config(WORLD, cfg.parallelism), cfg, torch.device("cpu"))
+    ref = reference_state(2)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    err = max((full[k] - ref[k]).abs().max().item() for k in ref)
+    return {"ref_losses": [], "losses": [], "loss_err": 0.0, "grad_rel_err": err, "worst_param": "init (max abs)"}
+
+
+def compare(ref, got) -> dict:
+    (ref_l, ref_g), (got_l, got_g) = ref, got
+    worst, worst_name = 0.0, None
+    for rg, gg in zip(ref_g, got_g):
+        assert set(rg) == set(gg), (sorted(set(rg) ^ set(gg)))
+        for name, r in rg.items():
+            err = ((gg[name] - r).norm() / r.norm().clamp(min=1e-12)).item()
+            if err > worst:
+                worst, worst_name = err, name
+    return {"ref_losses": ref_l, "losses": got_l, "loss_err": max(abs(a - b) for a, b in zip(ref_l, got_l)),
+            "grad_rel_err": worst, "worst_param": worst_name}
+
+
+# ---- scenarios: name -> list of (case, overrides, n_layers, ga) --------------------------------------
+def _parity_cases():
+    cases = []
+    for dp in ("fsdp2", "fsdp1", "ddp"):
+        for ga in (1, 2):
+            cases.append((f"{dp}_ga{ga}", ["--parallelism.data_parallel", dp], 2, ga))
+        cases.append((f"{dp}_ga2_sync_every", ["--parallelism.data_parallel", dp,
+                                              "--parallelism.grad_sync", "every_micro_batch"], 2, 2))
+    fs2 = ["--parallelism.data_parallel", "fsdp2"]
+    cases += [
+        ("fsdp2_hsdp_2x1_ga2", [*fs2, "--parallelism.dp_replicate", "2"], 2, 2),
+        ("fsdp2_never_reshard_prefetch1", [*fs2, "--parallelism.fsdp_reshard_after_forward", "never",
+                                           "--parallelism.fsdp_prefetch", "1"], 2, 2),
+        ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
+                                              "--parallelism.fsdp_cpu_offload"], 2, 1),
+        ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1", "--parallelism.fsdp1_sharding_strategy",
+                                         "grad_op", "--parallelism.fsdp1_backward_prefetch", "post",
+                                         "--parallelism.fsdp1_forward_prefetch"], 2, 2),
+        ("ddp_no_static_graph", ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_static_graph", "false"], 2, 2),
+    ]
+    return cases
+
+
+def _ac_cases():
+    # 4 blocks with different weights: a recompute of the wrong block changes the gradients. DDP with GA 1
+    # runs with static_graph; GA 2 adds no_sync micro-batches.
+    cases = []
+    for dp, ga in (("ddp", 1), ("fsdp2", 2)):
+        for mode in ("none", "full", "selective_op", "ratio"):
+            extra = ["--activation_checkpoint.ratio", "0.5"] if mode == "ratio" else []
+            cases.append((f"{dp}_{mode}", ["--parallelism.data_parallel", dp, "--activation_checkpoint.mode", mode,
+                                           *extra], 4, ga))
+    cases.append(("ddp_full_ga2", ["--parallelism.data_parallel", "ddp", "--activation_checkpoint.mode", "full"], 4, 2))
+    return cases
+
+
+def _compile_cases():
+    # One inductor compile (the real thing, ~30 s on CPU); the others use 'aot_eager_decomp_partition', which
+    # runs the same AOTAutograd partitioner (so memory_budget decides the same recomputation) without
+    # generating code. Memory budget 0.0 = recompute as much as the partitioner can.
+    budget = ["--compile.enable", "--activation_checkpoint.mode", "memory_budget",
+              "--activation_checkpoint.memory_budget", "0.0"]
+    return [
+        ("fsdp2_inductor_memory_budget", ["--parallelism.data_parallel", "fsdp2", *budget], 2, 1),
+        ("ddp_memory_budget", ["--parallelism.data_parallel", "ddp", *budget], 2, 1, "aot_eager_decomp_partition"),
+        ("fsdp2_memory_budget_ga2", ["--parallelism.data_parallel", "fsdp2", *budget], 2, 2,
+         "aot_eager_decomp_partition"),
+        ("fsdp2_compiled_ratio", ["--parallelism.data_parallel", "fsdp2", "--compile.enable",
+                                  "--activation_checkpoint.mode", "ratio", "--activation_checkpoint.ratio", "0.5"],
+         2, 2, "aot_eager_decomp_partition"),
+    ]
+
+
+SCENARIOS = {"parity": _parity_cases, "ac": _ac_cases, "compile": _compile_cases}
+
+
+def _worker(rank: int, port: int, scenario: str, only: list[str] | None, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # two ranks share the CI machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results, refs = {}, {}
+    try:
+        for case, overrides, n_layers, ga, *backend in SCENARIOS[scenario]():
+            if only and case not in only:
+                continue
+            key = (n_layers, ga)
+            if key not in refs:
+                refs[key] = run_single(reference_state(n_layers), n_layers, ga)
+            cfg = job_config(*overrides, n_layers=n_layers, ga=ga)
+            got = run_dp(reference_state(n_layers), cfg, n_layers, ga, backend=backend[0] if backend else "inductor")
+            results[case] = compare(refs[key], got)
+        if scenario == "parity":
+            for dp in ("fsdp2", "fsdp1", "ddp"):
+                results[f"{dp}_init"] = init_matches_single_process(dp)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, only: list[str] | None = None) -> dict:
+    """Run a scenario on WORLD spawned gloo ranks; returns rank 0's {case: metrics}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(free_port(), scenario, only, out), nprocs=WORLD, join=True)
+        return json.loads(Path(out).read_text())
+
+
+if __name__ == "__main__":  # python tests/_dist_worker.py parity [case ...]
+    import sys
+
+    print(json.dumps(launch(sys.argv[1], sys.argv[2:] or None), indent=1))

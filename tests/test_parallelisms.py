@@ -1,0 +1,231 @@
+"""nsa_titan.parallelisms: data parallelism, activation checkpointing and compile, on CPU.
+
+Distributed cases run on 2 gloo ranks spawned by tests/_dist_worker.py (one spawn per scenario, many cases
+each); every case is compared with a single-process run on the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from _dist_worker import launch, tiny_args
+from nsa_titan.config import ConfigError, load_job_config
+from nsa_titan.models import build_model
+from nsa_titan.parallelisms import ParallelDims, apply_ac, apply_compile, parallelize_nsa, ratio_block_ids
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # fp32: observed ~5e-7 / ~3e-6 (reduction order differs between runs)
+
+
+def _check(results: dict, expected_cases: list[str]) -> None:
+    assert sorted(results) == sorted(expected_cases), "the worker skipped cases"
+    bad = {case: r for case, r in results.items() if r["loss_err"] > LOSS_TOL or r["grad_rel_err"] > GRAD_TOL}
+    assert not bad, "\n".join(f"{c}: loss err {r['loss_err']:.2e} ({r['losses']} vs {r['ref_losses']}), "
+                              f"grad rel err {r['grad_rel_err']:.2e} at {r['worst_param']}" for c, r in bad.items())
+
+
+# ---- data parallelism == one process --------------------------------------------------------------------
+def test_fsdp2_fsdp1_ddp_match_single_process():
+    """3 steps with and without GA (both sync policies), plus HSDP, reshard/prefetch/offload variants; and
+    each wrapper's own initialisation equals one process's (on CPU, sharded FSDP2 init once duplicated
+    the same random rows on every rank)."""
+    results = launch("parity")
+    cases = [f"{dp}_{v}" for dp in ("fsdp2", "fsdp1", "ddp") for v in ("ga1", "ga2", "ga2_sync_every", "init")]
+    cases += ["fsdp2_hsdp_2x1_ga2", "fsdp2_never_reshard_prefetch1", "fsdp2_always_reshard_cpu_offload",
+              "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph"]
+    _check(results, cases)
+
+
+def test_every_ac_mode_matches_no_ac_under_ddp_and_fsdp2():
+    """4 blocks with different weights: recomputing the wrong block, or a block's gradient reduced twice
+    ("marked ready twice"), changes or breaks the gradients. memory_budget is in the compile test."""
+    _check(launch("ac"), [f"{dp}_{m}" for dp in ("ddp", "fsdp2") for m in ("none", "full", "selective_op", "ratio")]
+           + ["ddp_full_ga2"])
+
+
+def test_compile_with_fsdp2_and_memory_budget_trains():
+    """Per-block inductor compile under FSDP2 (+ memory_budget, also under DDP, + compiled ratio AC)."""
+    _check(launch("compile"), ["fsdp2_inductor_memory_budget", "ddp_memory_budget", "fsdp2_memory_budget_ga2",
+                               "fsdp2_compiled_ratio"])
+
+
+# ---- activation checkpointing, single process -------------------------------------------------------------
+@pytest.mark.parametrize("ratio, expected", [(0.0, []), (0.25, [0, 4]), (0.5, [0, 2, 4, 6]), (1.0, list(range(8)))])
+def test_ratio_picks_evenly_spaced_blocks(ratio, expected):
+    assert ratio_block_ids(8, ratio) == expected
+    model = build_model(tiny_args(8))
+    assert apply_ac(model, SimpleNamespace(mode="ratio", ratio=ratio)) == expected
+    wrapped = [i for i, b in enumerate(model.layers.values()) if type(b).__name__ == "CheckpointWrapper"]
+    assert wrapped == expected
+
+
+def test_ratio_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="ratio"):
+        ratio_block_ids(8, 1.5)
+    with pytest.raises(ConfigError, match="activation_checkpoint.ratio"):
+        load_job_config(["--activation_checkpoint.ratio", "-0.1"])
+
+
+def _model_and_batch(n_layers=4, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(tiny_args(n_layers))
+    model.init_weights()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
+    return model, tokens
+
+
+def _grads(model, tokens):
+    model.zero_grad(set_to_none=True)
+    model(tokens).float().pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _fwd_bwd_flops(mode: str) -> int:
+    model, tokens = _model_and_batch()
+    apply_ac(model, SimpleNamespace(mode=mode, ratio=1.0))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).float().pow(2).mean().backward()
+    return counter.get_total_flops()
+
+
+def test_selective_op_recomputes_less_than_full_and_more_than_none():
+    none, selective, full = (_fwd_bwd_flops(m) for m in ("none", "selective_op", "full"))
+    assert none < selective < full, (none, selective, full)
+
+
+def _late_bound_forward(model, tokens):
+    """The old system's bug: a checkpointed lambda made in a loop reads the loop variable when called. The
+    forward calls it at once (right block); the recompute in backward runs after the loop (LAST block)."""
+    t = tokens.shape[1]
+    cos, sin = model.rope_cos[:t], model.rope_sin[:t]
+    h = model.tok_embeddings(tokens)
+    for block in model.layers.values():
+        h = checkpoint(lambda x: block(x, cos, sin), h, use_reentrant=False)  # noqa: B023 - the bug on purpose
+    return model.output(model.norm(h))
+
+
+def test_gradient_check_would_catch_a_late_bound_recompute():
+    """The AC gradient comparison fails for the old bug and passes for apply_ac: the check can fail."""
+    model, tokens = _model_and_batch()
+    reference = _grads(model, tokens)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(_late_bound_forward(model, tokens), model(tokens))  # the forward is right...
+    _late_bound_forward(model, tokens).float().pow(2).mean().backward()
+    buggy = [p.grad.clone() for p in model.parameters()]
+    assert any(not torch.allclose(r, b, rtol=1e-4, atol=1e-6) for r, b in zip(reference, buggy))  # ...not grads
+
+    for mode in ("full", "selective_op"):
+        model, tokens = _model_and_batch()
+        apply_ac(model, SimpleNamespace(mode=mode, ratio=1.0))
+        for r, g in zip(reference, _grads(model, tokens)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def _saved_bytes(budget: float) -> int:
+    torch._dynamo.reset()  # dynamo's guards ignore the budget: without a reset the first compile is reused
+    model, tokens = _model_and_batch(n_layers=1)
+    apply_compile(model, SimpleNamespace(fullgraph=True), memory_budget=budget, backend="aot_eager_decomp_partition")
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens)
+    out.float().pow(2).mean().backward()
+    return sum(saved)
+
+
+def test_memory_budget_is_applied_per_block_and_not_leaked():
+    before = functorch_config.activation_memory_budget
+    low, high = _saved_bytes(0.0), _saved_bytes(1.0)
+    assert low < high, (low, high)  # a budget of 0 recomputes more, so it saves less
+    assert functorch_config.activation_memory_budget == before
+
+
+# ---- meshes and configuration ---------------------------------------------------------------------------
+def _pcfg(**kw):
+    return load_job_config([f"--parallelism.{k}={v}" for k, v in kw.items()]).parallelism
+
+
+def test_parallel_dims_resolve_and_validate():
+    dims = ParallelDims.from_config(8, _pcfg())
+    assert (dims.dp_replicate, dims.dp_shard, dims.mesh_shape()) == (1, 8, ((8,), ("dp_shard",)))
+    dims = ParallelDims.from_config(8, _pcfg(dp_replicate=2))
+    assert dims.hsdp and dims.mesh_shape() == ((2, 4), ("dp_replicate", "dp_shard"))
+    dims = ParallelDims.from_config(4, _pcfg(data_parallel="ddp"))
+    assert (dims.dp_replicate, dims.dp_shard, dims.mesh_shape()[1]) == (4, 1, ("dp_replicate",))
+    assert not ParallelDims.from_config(1, _pcfg()).dp_enabled
+
+    errors = [
+        (8, _pcfg(dp_replicate=3), "does not divide the world size 8"),
+        (8, _pcfg(dp_replicate=2, dp_shard=2), "2 x 2 = 4 but the world size"),
+        (4, _pcfg(data_parallel="ddp", dp_shard=2), "ddp replicates over all 4 ranks"),
+        (4, _pcfg(data_parallel="fsdp1", fsdp1_sharding_strategy="hybrid"), "dp_replicate > 1"),
+        (2, _pcfg(data_parallel="fsdp1", fsdp1_sharding_strategy="hybrid", dp_replicate=2), "dp_shard=1"),
+        (4, _pcfg(data_parallel="fsdp1", dp_replicate=2), "hybrid"),
+        (4, _pcfg(fsdp_reshard_after_forward=4), "1 < k < dp_shard"),
+        (8, _pcfg(fsdp_reshard_after_forward=3), "divisor"),
+    ]
+    for world, pcfg, message in errors:
+        with pytest.raises(ConfigError, match=message):
+            ParallelDims.from_config(world, pcfg)
+    assert ParallelDims.from_config(8, _pcfg(fsdp_reshard_after_forward=4)).dp_shard == 8
+
+
+def test_config_sections_and_cross_checks():
+    cfg = load_job_config(["--parallelism.data_parallel", "ddp", "--activation_checkpoint.mode", "ratio",
+                           "--activation_checkpoint.ratio", "0.25", "--parallelism.fsdp_reshard_after_forward", "never"])
+    assert (cfg.parallelism.data_parallel, cfg.activation_checkpoint.ratio) == ("ddp", 0.25)
+    assert cfg.parallelism.fsdp_reshard_after_forward == "never"
+    assert load_job_config(["--parallelism.fsdp_reshard_after_forward", "2"]).parallelism.fsdp_reshard_after_forward == 2
+    with pytest.raises(ConfigError, match="needs|compile.enable"):
+        load_job_config(["--activation_checkpoint.mode", "memory_budget"])
+    with pytest.raises(ConfigError, match="parallelism.data_parallel"):
+        load_job_config(["--parallelism.data_parallel", "zero3"])
+
+
+def test_parallelize_requires_a_meta_model():
+    model = build_model(tiny_args(2))
+    with pytest.raises(ValueError, match="meta"):
+        parallelize_nsa(model, ParallelDims.from_config(1, _pcfg()), load_job_config([]), torch.device("cpu"))
+
+
+def test_single_process_parallelize_materialises_and_checkpoints():
+    cfg = load_job_config(["--activation_checkpoint.mode", "full", "--model.n_layers", "2"])
+    with torch.device("meta"):
+        model = build_model(tiny_args(2))
+    model = parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
+    assert not any(p.is_meta for p in model.parameters()) and model.rope_cos.device.type == "cpu"
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in model.layers.values())
+    assert torch.isfinite(model(torch.zeros(1, 16, dtype=torch.long))).all()
+
+
+# ---- the trainer, 2 gloo processes through run_train.sh (torchrun) --------------------------------------------
+def test_run_train_sh_two_cpu_processes(tmp_path):
+    env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", str(REPO / "run_train.sh"), "--training.device", "cpu", "--model.n_layers", "2",
+           "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
+           "--model.ffn_hidden_dim", "96", "--training.seq_len", "128", "--training.local_batch_size", "2",
+           "--training.grad_accum_steps", "2", "--training.steps", "6", "--metrics.log_freq", "3",
+           "--metrics.val_freq", "0", "--lr_scheduler.warmup_steps", "2", "--parallelism.data_parallel", "fsdp2", "--activation_checkpoint.mode", "ratio",
+           "--activation_checkpoint.ratio", "0.5", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fsdp2 over 2 ranks" in proc.stdout and "ratio 0.5 (blocks [0])" in proc.stdout
+    import json
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens"] == 6 * 2 * 2 * 128 * 2  # steps x GA x batch x seq x ranks
+    assert summary["final_loss"] < summary["initial_loss"]
