@@ -54,19 +54,26 @@ def apply_compile(model: nn.Module, compile_config: Any, memory_budget: float | 
 class CompileCounter:
     """Graphs dynamo compiled since this object was made (``torch._dynamo`` keeps process-wide counters).
 
-    All blocks share one graph, so a healthy run compiles one per distinct block signature (train mode with
-    grad; eval under no_grad adds one); every further graph is a recompile worth a look
-    (``TORCH_LOGS=recompiles`` says why).
+    Make it after ``parallelize_nsa`` and before the first forward (compilation happens on first call).
+    Blocks of one kind (e.g. all checkpointed ones) share one graph, so a healthy training run compiles one
+    graph per kind; every further graph is a recompile (evaluation under no_grad adds one per kind),
+    worth a look with ``TORCH_LOGS=recompiles``.
     """
 
-    def __init__(self):
+    def __init__(self, model: nn.Module):
+        from torch._dynamo.eval_frame import OptimizedModule  # noqa: PLC0415 - private module, on use only
+
+        self.kinds = len({type(m._orig_mod) for m in model.modules() if isinstance(m, OptimizedModule)})
         self._start = self._graphs()
 
     @staticmethod
     def _graphs() -> int:
-        from torch._dynamo.utils import counters  # noqa: PLC0415 - private module, imported on use only
+        from torch._dynamo.utils import counters  # noqa: PLC0415 - private module, on use only
 
         return int(counters["stats"]["unique_graphs"])
 
     def graphs(self) -> int:
         return self._graphs() - self._start
+
+    def recompiles(self) -> int:
+        return max(0, self.graphs() - self.kinds)

@@ -10,6 +10,7 @@ data-parallel rank is the global rank, and the mesh is
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,11 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    # fault.collective_timeout_s: a collective that waits longer fails (NCCL aborts) instead of hanging.
+    collective_timeout_s: float | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, world_size: int, parallelism: Any) -> ParallelDims:
+    def from_config(cls, world_size: int, parallelism: Any, *, collective_timeout_s: float | None = None) -> ParallelDims:
         """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not."""
         kind = parallelism.data_parallel
         if kind not in DATA_PARALLEL_KINDS:
@@ -60,7 +63,8 @@ class ParallelDims:
             raise ConfigError(f"parallelism: dp_replicate x dp_shard = {rep} x {shard} = {rep * shard} but the "
                               f"world size (torchrun --nproc_per_node x nodes) is {world_size}; make the product "
                               f"equal, e.g. --parallelism.dp_shard -1")
-        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard)
+        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard,
+                   collective_timeout_s=collective_timeout_s)
         dims._check_strategy(parallelism)
         return dims
 
@@ -115,7 +119,8 @@ class ParallelDims:
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             # device_id binds NCCL to this rank's GPU at once (eager init: no lazy per-collective setup).
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            timeout = None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects {self.world_size}")
         shape, names = self.mesh_shape()

@@ -40,7 +40,8 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
        FSDP holds its parameters unsharded (so recomputation never re-issues the all-gather itself).
     4. Materialise last for FSDP2: parameters are already sharded DTensors, so each rank allocates only its
        shard. DDP and FSDP1 need real tensors to wrap (DDP broadcasts them, FSDP1 flattens them and cannot
-       run our model-level init per unit): there, the model is materialised just before wrapping.
+       run our model-level init per unit), and DTensor's random init is not sharding-aware on CPU meshes:
+       there, the model is materialised just before wrapping.
 
     ``device`` defaults to ``training.device`` resolved for this process (cuda:LOCAL_RANK or cpu).
     ``compile_backend``: see ``apply_compile`` (tests use a cheaper backend with the same partitioner).
@@ -65,10 +66,15 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     mesh = parallel_dims.build_mesh(device)
     kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"
     param_dtype = resolve_param_dtype(pc.param_dtype, job_config.training.mixed_precision, device)
-    if kind == "fsdp2":
+    if kind == "fsdp2" and device.type != "cpu":
         apply_fsdp2(model, mesh, pc, param_dtype, device)
         # CPU offload keeps the sharded parameters in host memory; the RoPE buffers still live on the GPU.
         materialize(model, torch.device("cpu") if pc.fsdp_cpu_offload else device, buffer_device=device)
+    elif kind == "fsdp2":
+        # DTensor has no sharding-aware RNG on CPU meshes: initialising shards would give every rank the same
+        # values (duplicated rows). CPU models are small, so initialise in full (as one process would), then shard.
+        materialize(model, device)
+        apply_fsdp2(model, mesh, pc, param_dtype, device)
     else:
         materialize(model, device)
         if kind == "fsdp1":
