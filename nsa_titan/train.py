@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
     world = world_from_env()
     # Degrees are checked against the world size before any process group or GPU work.
-    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
+    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism,
+                                             collective_timeout_s=job_config.fault.collective_timeout_s)
     tc, mc = job_config.training, job_config.metrics
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 

@@ -57,3 +57,50 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 def run_worker(scenario: str, step: int, argv: list[str], *, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(WORKER), scenario, str(step), "--", *argv], cwd=REPO,
                           env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, step: int, argv: list[str], *, tmp_path: Path, world: int = 2,
+              worker_opts: tuple[str, ...] = (), timeout: float = 300) -> list[dict]:
+    """``world`` gloo ranks of the worker (as torchrun would start them); per rank: returncode, stdout, stderr,
+    and seconds until it exited. Output goes to files: a rank blocked on a full pipe would stall the others."""
+    import time
+
+    port = free_port()
+    procs, files = [], []
+    for r in range(world):
+        out, err = open(tmp_path / f"rank{r}.out", "w+"), open(tmp_path / f"rank{r}.err", "w+")
+        env = subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=str(port))
+        cmd = [sys.executable, str(WORKER), scenario, str(step), *worker_opts, "--", *argv]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err))
+        files.append((out, err))
+    start, ended = time.monotonic(), [None] * world
+    while any(e is None for e in ended):
+        for r, p in enumerate(procs):
+            if ended[r] is None and p.poll() is not None:
+                ended[r] = time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"ranks still running after {timeout}s: {[r for r, e in enumerate(ended) if e is None]}")
+        time.sleep(0.05)
+    results = []
+    for r, (p, (out, err)) in enumerate(zip(procs, files)):
+        out.seek(0), err.seek(0)
+        results.append({"rank": r, "returncode": p.returncode, "stdout": out.read(), "stderr": err.read(),
+                        "seconds": ended[r]})
+        out.close(), err.close()
+    return results
+
+
+def explain(results: list[dict]) -> str:
+    return "\n".join(f"--- rank {r['rank']} rc={r['returncode']}\n{r['stdout'][-1500:]}\n{r['stderr'][-3000:]}"
+                     for r in results)

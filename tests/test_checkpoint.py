@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from _ckpt_util import STEPS, args, ckpt_args, losses, run, run_worker
+from _ckpt_util import STEPS, args, ckpt_args, explain, losses, run, run_ranks, run_worker
+from _fault_worker import full_state
 from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
 from nsa_titan.checkpoint.state import reshard_loader_state
 from nsa_titan.components.failure import TrainHooks
@@ -206,3 +207,56 @@ def test_reshard_loader_state_keeps_the_global_sample_count():
     assert out["sample_index"] == 24 and out["world_size"] == 1 and out["chunks_per_rank"] == 100
     back = reshard_loader_state(out, {**saved, "rank": 1, "sample_index": 0})
     assert back["sample_index"] == 12 and back["rank"] == 1
+
+
+def _same_state(want: dict, got: dict) -> None:
+    assert sorted(want) == sorted(got)
+    diff = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
+
+
+def _copy_checkpoint(src_dump, step, dst_dump):
+    name = step_dir_name(step)
+    shutil.copytree(src_dump / "checkpoints" / name, dst_dump / "checkpoints" / name)
+
+
+def test_two_rank_exact_resume_and_resharding(tmp_path):
+    """2 gloo ranks: FSDP2 10 + resume + 10 == 20 straight (bit-identical); the FSDP2 checkpoint loads on 1
+    rank (2 -> 1) with identical unsharded model and optimizer state; a 1-rank checkpoint loads under DDP
+    (1 -> 2), DDP saves one, and FSDP1 loads that one (DDP -> FSDP1), each time identical."""
+    d = {k: tmp_path / k for k in ("fsdp2", "resumed", "one", "ddp", "fsdp1")}
+    for path in d.values():
+        path.mkdir()
+    res = run_ranks("none", 0, ckpt_args(d["fsdp2"] / "dump", "--checkpoint.keep_latest_k", "0"), tmp_path=d["fsdp2"],
+                    worker_opts=("--ref", f"11:{tmp_path / 'after10.pt'}"))
+    assert all(r["returncode"] == 0 for r in res), explain(res)
+    straight = losses(d["fsdp2"] / "dump")
+
+    _copy_checkpoint(d["fsdp2"] / "dump", 10, d["resumed"] / "dump")
+    res = run_ranks("none", 0, ckpt_args(d["resumed"] / "dump"), tmp_path=d["resumed"])
+    assert all(r["returncode"] == 0 for r in res), explain(res)
+    assert_same(straight, losses(d["resumed"] / "dump"), range(11, STEPS + 1))
+
+    class Capture(TrainHooks):
+        def on_train_start(self, ctx):
+            self.ctx, self.start = ctx, full_state(ctx["model"], ctx["optimizer"])
+
+    cap = Capture()
+    _copy_checkpoint(d["fsdp2"] / "dump", 10, d["one"])
+    _, out = run(ckpt_args(d["one"], steps=12), hooks=cap)
+    assert "saved by 2 rank(s), resumed on 1" in out
+    _same_state(torch.load(tmp_path / "after10.pt"), cap.start)  # 2 -> 1
+    after12 = full_state(cap.ctx["model"], cap.ctx["optimizer"])
+
+    _copy_checkpoint(d["one"], 12, d["ddp"] / "dump")
+    res = run_ranks("none", 0, ckpt_args(d["ddp"] / "dump", "--parallelism.data_parallel", "ddp", steps=14,
+                                         interval=13), tmp_path=d["ddp"],
+                    worker_opts=("--ref", f"0:{tmp_path / 'ddp_start.pt'}", "--ref", f"14:{tmp_path / 'ddp13.pt'}"))
+    assert all(r["returncode"] == 0 for r in res), explain(res)
+    _same_state(after12, torch.load(tmp_path / "ddp_start.pt"))  # 1 -> 2 (DDP)
+
+    _copy_checkpoint(d["ddp"] / "dump", 13, d["fsdp1"] / "dump")
+    res = run_ranks("none", 0, ckpt_args(d["fsdp1"] / "dump", "--parallelism.data_parallel", "fsdp1", steps=13),
+                    tmp_path=d["fsdp1"], worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}"))
+    assert all(r["returncode"] == 0 for r in res), explain(res)
+    _same_state(torch.load(tmp_path / "ddp13.pt"), torch.load(tmp_path / "fsdp1_start.pt"))  # DDP -> FSDP1

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from _ckpt_util import args, ckpt_args, losses, run, run_worker
+from _ckpt_util import args, ckpt_args, explain, losses, run, run_ranks, run_worker
 from nsa_titan.checkpoint import inspect_checkpoint, step_dir_name
 from nsa_titan.components.failure import EXIT_PEER_FAILED, EXIT_WATCHDOG, NonFiniteError, TrainHooks
 from nsa_titan.components.watchdog import Watchdog, heartbeat_path
@@ -118,6 +118,24 @@ def test_watchdog_dumps_stacks_and_exits_on_a_stall(tmp_path):
     beat = json.loads(heartbeat_path(tmp_path / "heartbeat", 0).read_text())
     assert beat["status"] == "hung" and beat["step"] == 2
     print(f"stall -> exit {proc.returncode} after {time.monotonic() - t0:.1f}s (incl. start-up)")
+
+
+def test_a_killed_rank_makes_the_other_exit_with_a_clear_message(tmp_path):
+    """Rank 1 is SIGKILLed at step 3; rank 0 must not hang in its next collective: it exits non-zero well
+    within the timeouts, saying that another rank is gone."""
+    timeout = 30
+    res = run_ranks("sigkill_step", 3, args(tmp_path / "dump", "--fault.heartbeat_interval_s", "0.5",
+                                            "--fault.peer_timeout_s", "5", "--fault.collective_timeout_s",
+                                            str(timeout), steps=200),
+                    tmp_path=tmp_path, worker_opts=("--rank-only", "1"), timeout=240)
+    r0, r1 = res
+    assert r1["returncode"] == -9, explain(res)
+    assert r0["returncode"] not in (0, None), explain(res)
+    waited = r0["seconds"] - r1["seconds"]
+    assert waited < timeout, f"rank 0 needed {waited:.1f}s to notice\n" + explain(res)
+    assert "another rank has most likely died" in r0["stderr"], explain(res)
+    assert "heartbeats: rank 1: running, last step" in r0["stderr"], explain(res)
+    print(f"rank 0 exited (code {r0['returncode']}) {waited:.1f}s after rank 1 was killed")
 
 
 def _watchdog(tmp_path, codes, **kw):

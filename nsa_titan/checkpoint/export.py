@@ -66,7 +66,10 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 tensors with clean names on rank 0 ({} elsewhere); collective when sharded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload gathers straight into host memory (no full copy on the GPU); only for device tensors:
+    # with CPU tensors it buys nothing, and FSDP1 + cpu_offload segfaults on CPU-only gloo ranks (torch 2.13).
+    on_device = any(p.device.type != "cpu" for p in model.parameters())
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_device))
 
 
 def write_export(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, model_args: dict[str, Any],

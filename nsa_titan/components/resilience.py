@@ -16,6 +16,7 @@ when the user opted in with ``fault.nonfinite_check_every_step``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from nsa_titan.checkpoint import CheckpointManager, TrainState, capture_host_state, restore_host_state
-from nsa_titan.components.failure import NonFiniteError, NonFiniteGuard, TrainHooks
-from nsa_titan.components.watchdog import Watchdog
+from nsa_titan.components.failure import NonFiniteError, NonFiniteGuard, TrainHooks, collective_failure_hint
+from nsa_titan.components.watchdog import Watchdog, describe_peers
 from nsa_titan.config import ConfigError
 
 
@@ -153,6 +154,10 @@ class Resilience:
                 self.ckpt.close()
         finally:
             if self.watchdog is not None:
+                if error is not None and collective_failure_hint(error, self.world_size):
+                    # Which rank is gone: its heartbeat is the stale one (a SIGKILLed rank writes nothing).
+                    peers = describe_peers(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank)
+                    print(f"[rank {self.rank}] heartbeats: {peers}", file=sys.stderr, flush=True)
                 failed = error is not None and not isinstance(error, KeyboardInterrupt)
                 self.watchdog.stop("failed" if failed else "done",
                                    f"{type(error).__name__}: {error}" if failed else None)
