@@ -106,8 +106,8 @@ class Resilience:
         saving = self.ckpt.should_save(step, last)
         if log_step or saving or self.guard.wants_check():
             self._check_nonfinite()
-        if saving or self.ckpt.enabled:
-            self.ckpt.maybe_save(step, last=last)
+        if self.ckpt.enabled:
+            self.ckpt.maybe_save(step, last=last)  # also commits a finished background save (no waiting)
             if saving:
                 self.watchdog.progress()
 
