@@ -7,6 +7,10 @@ steps only.
 GPU-busy share = sum over the window's steps of (CUDA time between the step-start and step-end events) / host
 wall time of the window. It exposes GPU idle time *between* steps (data loading, host syncs, Python between
 steps, logging); idle gaps *inside* a step (kernel-launch overhead) are not visible to it - use a profiler.
+Data-loading time is the host time spent inside ``data_loading()`` (the trainer wraps its loader calls).
+TFLOP/s per GPU = training FLOPs per token (models/nsa/flops.py: NSA's real attention work) x tokens/s/GPU;
+MFU = that / the GPU's peak dense bf16 FLOP/s. Memory: peak allocated, active (allocated + blocks freed but
+still in use by a stream) and reserved (held by the caching allocator: what decides an out-of-memory).
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ def peak_memory_gib(device: torch.device) -> tuple[float, float | None]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
     return rss_bytes / GIB, None
+
+
+def peak_active_gib(device: torch.device) -> float | None:
+    """Peak active bytes on CUDA (allocator bookkeeping on the host: no device sync); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("active_bytes.all.peak", 0) / GIB
 
 
 class BusyTimer(Protocol):
@@ -108,11 +119,14 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
     line = (
         f"step {r['step']:>6d}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | gnorm {r['grad_norm']:.3f}"
         f" | tok/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f}/gpu)"
-        f" | mfu {_fmt_pct(r['mfu'], 1)} | mem {mem} GiB | gpu-busy {_fmt_pct(r['gpu_busy'], 0)}"
+        f" | tflops {'n/a' if r['tflops_per_gpu'] is None else format(r['tflops_per_gpu'], '.1f')}"
+        f" | mfu {_fmt_pct(r['mfu'], 1)} | mem {mem} GiB | data {1000 * r['data_time_s']:.1f}ms"
+        f" | gpu-busy {_fmt_pct(r['gpu_busy'], 0)}"
         f" | eta {datetime.timedelta(seconds=int(r['eta_s']))}"
     )
     if r["gpu_busy_warning"]:
-        line += f" | WARNING: GPU busy {100 * r['gpu_busy']:.0f}% < 90%: CPU-bound between steps (data/host syncs)"
+        line += (f" | WARNING: GPU busy {100 * r['gpu_busy']:.0f}% < 90%: CPU-bound between steps (data loading "
+                 f"{100 * r['data_share']:.0f}% of wall time; else host syncs / Python)")
     return line
 
 
@@ -181,6 +195,7 @@ class MetricsLogger:
     def _reset_window(self, start: float | None) -> None:
         self._win_start = start
         self._win_excluded = 0.0
+        self._win_data = 0.0
         self._win_steps = 0
         self._win_tokens = 0
         self._win_first_step = None
@@ -213,6 +228,16 @@ class MetricsLogger:
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
     @contextlib.contextmanager
+    def data_loading(self) -> Iterator[None]:
+        """Time the enclosed host-side data work (loader calls) as this window's data-loading time."""
+        t = self._clock()
+        try:
+            yield
+        finally:
+            if self._win_start is not None:  # before the first step_start there is no window to charge
+                self._win_data += self._clock() - t
+
+    @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Exclude the enclosed time (validation, checkpointing) from the throughput window."""
         t = self._clock()
@@ -238,6 +263,7 @@ class MetricsLogger:
         mfu = None
         if self.flops_per_token is not None and self.peak_flops:
             mfu = self.flops_per_token * per_gpu / self.peak_flops
+        tflops = None if self.flops_per_token is None else self.flops_per_token * per_gpu / 1e12
         gpu_busy = None if busy_s is None else min(1.0, busy_s / wall)  # clamp: event/host clock offsets
         mem, mem_reserved = peak_memory_gib(self.device)
         step_time = wall / n
@@ -251,8 +277,12 @@ class MetricsLogger:
             "tokens_per_s": per_gpu * self.world_size,
             "tokens_per_s_per_gpu": per_gpu,
             "mfu": mfu,
+            "tflops_per_gpu": tflops,
             "peak_mem_gib": mem,
+            "peak_mem_active_gib": peak_active_gib(self.device),
             "peak_mem_reserved_gib": mem_reserved,
+            "data_time_s": self._win_data / n,
+            "data_share": min(1.0, self._win_data / wall),
             "gpu_busy": gpu_busy,
             # The window holding step 1 includes compilation / allocator warm-up: not a CPU-bound signal.
             "gpu_busy_warning": bool(
@@ -269,7 +299,8 @@ class MetricsLogger:
         self._print(format_train_line(record, self.total_steps))
         self._write(record)
         if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gib", "gpu_busy"):
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "tflops_per_gpu",
+                        "peak_mem_gib", "peak_mem_active_gib", "peak_mem_reserved_gib", "data_time_s", "gpu_busy"):
                 if record[key] is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
         self._reset_window(start=self._clock())
@@ -287,6 +318,19 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"val/{k}", v, step)
 
+    def log_extra(self, kind: str, step: int, values: dict[str, Any], *, line: str | None = None,
+                  scalars: dict[str, float] | None = None) -> None:
+        """A record of another kind (e.g. NSA diagnostics) on a log step: JSONL ``{"type": kind, "step": step,
+        **values}``, an optional console line and optional TensorBoard scalars (name -> value)."""
+        if not self.enabled:
+            return
+        self._write({"type": kind, "step": step, **values})
+        if line:
+            self._print(line)
+        if self._tb is not None:
+            for name, value in (scalars or {}).items():
+                self._tb.add_scalar(name, value, step)
+
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
@@ -298,10 +342,12 @@ class MetricsLogger:
         wall = sum(r["window_s"] for r in steady)
         tokens_per_s = sum(r["window_tokens"] for r in steady) / wall if wall > 0 else None
         per_gpu = None if tokens_per_s is None else tokens_per_s / self.world_size
-        mfu = None
-        if per_gpu is not None and self.flops_per_token is not None and self.peak_flops:
-            mfu = self.flops_per_token * per_gpu / self.peak_flops
+        mfu = tflops = None
+        if per_gpu is not None and self.flops_per_token is not None:
+            tflops = self.flops_per_token * per_gpu / 1e12
+            mfu = self.flops_per_token * per_gpu / self.peak_flops if self.peak_flops else None
         busy = [r for r in steady if r["gpu_busy"] is not None]
+        steps = sum(r["window_steps"] for r in steady)
         gpu_busy = sum(r["gpu_busy"] * r["window_s"] for r in busy) / sum(r["window_s"] for r in busy) if busy else None
         finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
         return {
@@ -313,8 +359,12 @@ class MetricsLogger:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": per_gpu,
             "mfu": mfu,
+            "tflops_per_gpu": tflops,
             "gpu_busy": gpu_busy,
+            "data_time_s": sum(r["data_time_s"] * r["window_steps"] for r in steady) / steps if steps else None,
+            "data_share": sum(r["data_share"] * r["window_s"] for r in steady) / wall if wall > 0 else None,
             "peak_mem_gib": max((r["peak_mem_gib"] for r in recs), default=None),
+            "peak_mem_active_gib": recs[-1]["peak_mem_active_gib"] if recs else None,
             "peak_mem_reserved_gib": recs[-1]["peak_mem_reserved_gib"] if recs else None,
             "elapsed_s": recs[-1]["elapsed_s"] if recs else None,
             "final_val": self.val_records[-1] if self.val_records else None,
