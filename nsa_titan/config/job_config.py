@@ -240,6 +240,10 @@ class Metrics:
     """Evaluate on the held-out split every this many steps (0: never)."""
     val_steps: int = 8
     """Batches per evaluation."""
+    nsa_diagnostics: bool = True
+    """On log steps, collect NSA diagnostics per layer (gate means and entropy, branch output shares, distance
+    of the selected blocks, share of forced blocks) during the step's forward and log them (JSONL type
+    'nsa_diag', TensorBoard nsa/*). Other steps are untouched; under compile it adds one graph per block kind."""
 
     def validate(self) -> None:
         _check(self.log_freq >= 1, "metrics.log_freq", f"must be >= 1, got {self.log_freq}")
@@ -418,6 +422,47 @@ class Fault:
 
 
 @dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots (components/profiling.py)."""
+
+    enable_profiling: bool = False
+    """Record a torch.profiler trace of `profile_active` steps every `profile_freq` steps into
+    job.dump_folder/<traces_folder>/iteration_<step>/rank<r>_trace.json (open in Perfetto / chrome://tracing)."""
+    profile_freq: int = 100
+    """Steps between traces (a trace ends at every multiple of this)."""
+    profile_active: int = 1
+    """Steps recorded per trace."""
+    profile_warmup: int = 1
+    """Steps the profiler runs untraced just before recording (its start-up overhead stays out of the trace)."""
+    traces_folder: str = "profile_traces"
+    """Folder for the traces, relative to job.dump_folder."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record the caching allocator's history (with stack traces; slows allocation) so that the
+    snapshots below show who allocated what. Open them at https://pytorch.org/memory_viz."""
+    memory_snapshot_steps: list[int] = field(default_factory=list)
+    """Write a memory snapshot after each of these steps (on request), e.g. 1,2 for the first two steps."""
+    memory_snapshot_on_oom: bool = True
+    """Write a memory snapshot when a CUDA out-of-memory error ends the run (without enable_memory_snapshot
+    it shows the allocator's segments only, no history)."""
+    memory_snapshot_folder: str = "memory_snapshots"
+    """Folder for the snapshots (rank<r>_<step|oom>.pickle), relative to job.dump_folder."""
+    memory_snapshot_max_entries: int = 100000
+    """Allocation events kept in the recorded history."""
+
+    def validate(self) -> None:
+        _check(self.profile_freq >= 1, "profiling.profile_freq", f"must be >= 1, got {self.profile_freq}")
+        _check(self.profile_active >= 1, "profiling.profile_active", f"must be >= 1, got {self.profile_active}")
+        _check(self.profile_warmup >= 0, "profiling.profile_warmup", f"must be >= 0, got {self.profile_warmup}")
+        _check(self.profile_active + self.profile_warmup <= self.profile_freq, "profiling.profile_freq",
+               f"must be >= profile_active + profile_warmup ({self.profile_active} + {self.profile_warmup}), got "
+               f"{self.profile_freq}; raise --profiling.profile_freq or lower the others")
+        _check(all(s >= 1 for s in self.memory_snapshot_steps), "profiling.memory_snapshot_steps",
+               f"steps must be >= 1, got {self.memory_snapshot_steps}")
+        _check(self.memory_snapshot_max_entries >= 1, "profiling.memory_snapshot_max_entries",
+               f"must be >= 1, got {self.memory_snapshot_max_entries}")
+
+
+@dataclass
 class JobConfig:
     """The whole job: one field per TOML section."""
 
@@ -433,6 +478,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault: Fault = field(default_factory=Fault)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def validate(self) -> None:
         """Each section's own checks, then the ones that span sections."""
