@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nsa_titan.components.diagnostics import NSADiagnostics
 from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective_failure_hint
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
     World,
@@ -94,7 +96,8 @@ def _uses_retrieval(job_config: JobConfig) -> bool:
 
 
 def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interrupted: bool, device: torch.device,
-                  job_config: JobConfig, model_args: NSAModelArgs, model_info: dict[str, Any]) -> dict[str, Any]:
+                  job_config: JobConfig, model_args: NSAModelArgs, model_info: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = {
         **logger.summary(),
         "steps": steps_done,
@@ -106,6 +109,7 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {**model_info, "args": dataclasses.asdict(model_args)},
         "config": job_config_to_dict(job_config),
+        **(extra or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                      log=functools.partial(_print0, world), hooks=hooks)
     model = build_training_model(job_config, model_args, device, world, parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
+    # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
+    diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
     flops_per_token = training_flops_per_token(model_args, tc.seq_len)
     model_info = {
         "flavor": job_config.model.flavor,
@@ -171,25 +177,34 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
                    f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s) "
                    f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")
+    profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
+                             log=lambda m: print(m, flush=True), start_step=first_step)
     steps_done, interrupted, error = first_step - 1, False, None
     try:
+        profiler.start()
         for step in range(first_step, tc.steps + 1):
             res.step_start(step)
-            micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]  # host-side data work
+            with logger.data_loading():  # host-side data work, logged as data-loading time
+                micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]
             logger.step_start()
             micro_batches = [move_batch(mb, device) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
-            loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
-                                         max_norm=tc.max_norm, autocast=autocast,
-                                         before_optimizer_step=res.before_optimizer_step,
-                                         dp_degree=parallel_dims.dp_degree,
-                                         grad_sync=job_config.parallelism.grad_sync)
+            with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
+                loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
+                                             max_norm=tc.max_norm, autocast=autocast,
+                                             before_optimizer_step=res.before_optimizer_step,
+                                             dp_degree=parallel_dims.dp_degree,
+                                             grad_sync=job_config.parallelism.grad_sync)
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
             logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)
             steps_done = step
             log_step = logger.should_log(step)
             if log_step:
                 logger.log(step, lr)
+                diag = diagnostics.read()  # host sync ok: log step
+                if diag is not None:
+                    logger.log_extra("nsa_diag", step, diag, line=NSADiagnostics.format_line(diag),
+                                     scalars=NSADiagnostics.scalars(diag))
             with logger.paused():  # non-finite check on log steps, checkpoint saves
                 res.step_end(step, num_tokens, log_step=log_step)
             if val_batches and (step % mc.val_freq == 0 or step == tc.steps):
@@ -197,6 +212,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                     logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
                                                   retrieval_fn=retrieval_fn))
                 res.progress()
+            profiler.step(step)  # profiler schedule and requested memory snapshots, between steps
         res.finish()  # wait for a background save; model export
     except KeyboardInterrupt as e:
         interrupted, error = True, e
@@ -208,19 +224,25 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
         raise
     finally:
+        profiler.close(error)  # an out-of-memory error writes a memory snapshot first
         logger.close()
         res.close(error)
 
+    compile_stats = None
     if job_config.compile.enable:
         graphs = compile_counter.graphs()
+        # Diagnostics-enabled forwards (log steps) are one more graph per block kind, expected, not recompiles.
+        expected = compile_counter.kinds * (2 if diagnostics.attached else 1)
+        compile_stats = {"graphs": graphs, "expected_graphs": expected, "recompiles": max(0, graphs - expected)}
         _print0(world, f"compile: {graphs} graph(s) compiled for {model_args.n_layers} blocks "
-                       f"({compile_counter.recompiles()} recompile(s); TORCH_LOGS=recompiles says why)")
+                       f"({compile_stats['recompiles']} recompile(s); TORCH_LOGS=recompiles says why)")
     if dist.is_initialized():
         dist.destroy_process_group()
     if not world.is_main:
         return {}
     summary = write_summary(dump / "summary.json", logger, steps_done=steps_done, interrupted=interrupted,
-                            device=device, job_config=job_config, model_args=model_args, model_info=model_info)
+                            device=device, job_config=job_config, model_args=model_args, model_info=model_info,
+                            extra={"compile": compile_stats})
     tps = summary["tokens_per_s"]
     _print0(world, f"done: {steps_done} steps, loss {summary['initial_loss']} -> {summary['final_loss']}, "
                    f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s; summary in {dump / 'summary.json'}")

@@ -94,6 +94,9 @@ class NSAAttention(nn.Module):
         self.compress_v = Compressor(args.dv, args.cmp_block, args.cmp_stride, args.compress)
         self.wgate = nn.Linear(args.dim, args.n_heads * 3, bias=False)
         self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
+        # Opt-in diagnostics (components/diagnostics.py: NSADiagnostics.attach sets both); None costs nothing.
+        self.diagnostics = None
+        self.diagnostics_out = None  # this layer's last values (a flat device tensor)
 
     def project_raw(self, x, cos, sin):
         """x [B, T, dim] -> q, (k_cmp_raw, v_cmp_raw), (k_slc, v_slc), (k_win, v_win), gates; nothing compressed.
@@ -122,6 +125,9 @@ class NSAAttention(nn.Module):
         q, (kc, vc), (ks, vs), (kw, vw), gates = self.project(x, cos, sin)
         impl = resolve_impl(self.impl_name, q.device)  # device type is static: resolved at trace time
         out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params)
+        diag = self.diagnostics
+        if diag is not None and diag.enabled:  # a host bool (the trainer sets it on log steps): no device read
+            self.diagnostics_out = diag.record(q, (kc, vc), (ks, vs), (kw, vw), gates, blocks, self.params)
         out = self.wo(out.to(x.dtype).reshape(b, t, self.n_heads * self.v_head_dim))
         return (out, blocks) if return_blocks else out
 
