@@ -223,8 +223,9 @@ def _copy_checkpoint(src_dump, step, dst_dump):
 def test_two_rank_exact_resume_and_resharding(tmp_path):
     """2 gloo ranks: FSDP2 10 + resume + 10 == 20 straight (bit-identical); the FSDP2 checkpoint loads on 1
     rank (2 -> 1) with identical unsharded model and optimizer state; a 1-rank checkpoint loads under DDP
-    (1 -> 2), DDP saves one, and FSDP1 loads that one (DDP -> FSDP1), each time identical."""
-    d = {k: tmp_path / k for k in ("fsdp2", "resumed", "one", "ddp", "fsdp1")}
+    (1 -> 2), DDP saves one, FSDP1 loads that one (DDP -> FSDP1) and saves one that 1 rank loads, each time
+    with identical unsharded state."""
+    d = {k: tmp_path / k for k in ("fsdp2", "resumed", "one", "ddp", "fsdp1", "back")}
     for path in d.values():
         path.mkdir()
     # async_mode: the background writes (on their own gloo group) must be exactly the state at the save step.
@@ -258,7 +259,13 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     _same_state(after12, torch.load(tmp_path / "ddp_start.pt"))  # 1 -> 2 (DDP)
 
     _copy_checkpoint(d["ddp"] / "dump", 13, d["fsdp1"] / "dump")
-    res = run_ranks("none", 0, ckpt_args(d["fsdp1"] / "dump", "--parallelism.data_parallel", "fsdp1", steps=13),
-                    tmp_path=d["fsdp1"], worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}"))
+    res = run_ranks("none", 0, ckpt_args(d["fsdp1"] / "dump", "--parallelism.data_parallel", "fsdp1", steps=15,
+                                         interval=14), tmp_path=d["fsdp1"],
+                    worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}", "--ref", f"15:{tmp_path / 'fsdp1_14.pt'}"))
     assert all(r["returncode"] == 0 for r in res), explain(res)
     _same_state(torch.load(tmp_path / "ddp13.pt"), torch.load(tmp_path / "fsdp1_start.pt"))  # DDP -> FSDP1
+
+    cap = Capture()
+    _copy_checkpoint(d["fsdp1"] / "dump", 14, d["back"])
+    run(ckpt_args(d["back"], steps=14), hooks=cap)
+    _same_state(torch.load(tmp_path / "fsdp1_14.pt"), cap.start)  # FSDP1 saves -> 1 rank

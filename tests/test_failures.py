@@ -216,3 +216,38 @@ def test_bad_input_fails_before_the_model_is_built(tmp_path, monkeypatch, extra,
         pytest.skip("this machine has a GPU")
     with pytest.raises((ConfigError, ValueError, RuntimeError), match=message):
         run(args(tmp_path, *extra))
+
+
+def test_world_size_not_matching_the_mesh_fails_before_any_process_group(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    def no_group(*a, **k):
+        raise AssertionError("a process group was created before the bad degrees were reported")
+
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=r"dp_replicate x dp_shard = 1 x 3 = 3 but the world size .* is 2"):
+        run(args(tmp_path, "--parallelism.dp_shard", "3"))
+
+
+def test_collective_timeout_reaches_init_process_group(tmp_path, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(*a, **k):
+        seen.update(k)
+        raise Stop
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(Stop):
+        run(args(tmp_path, "--fault.collective_timeout_s", "42"))
+    assert seen["timeout"] == datetime.timedelta(seconds=42)
