@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPES = types.MappingProxyType({"bf16": torch.bfloat16, "fp32": torch.float32})  # read-only
 # (our name pattern, HF-style replacement); the first match wins, so the order matters.
 _NAME_MAP = (
     (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),

@@ -28,12 +28,16 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-# flatten_optimizer_state_dict: optimizer entries keyed "state.<fqn>.<name>" / "param_groups.<fqn>.<key>",
-# which DCP can reshard and which do not depend on parameter order or wrapper prefixes.
-STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Param-group keys that choose the optimizer's implementation, not its hyper-parameters: the running
 # optimizer's own choice wins over the saved one (a foreach checkpoint may resume under the fused kernel).
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def state_dict_options() -> StateDictOptions:
+    """flatten_optimizer_state_dict: optimizer entries keyed "state.<fqn>.<name>" / "param_groups.<fqn>.<key>",
+    which DCP can reshard and which depend neither on parameter order nor on wrapper prefixes. (A function,
+    not a module constant: StateDictOptions is a mutable dataclass.)"""
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -99,7 +103,7 @@ def _load_scheduler(scheduler: Any, optimizer: Any, state: dict[str, Any]) -> No
 def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, host: dict[str, Any],
                    rank: int) -> dict[str, Any]:
     """The state dict handed to ``dcp.save`` (tensors are the live ones; DCP or its stager copies them)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options())
     trainer = {"train_state": host["train_state"], "lr_scheduler": host["lr_scheduler"]}
     rank_state = {"loader": host["loader"], "rng": host["rng"]}
     return {
@@ -112,7 +116,7 @@ def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, host: dic
 
 def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, rank_key: str) -> dict[str, Any]:
     """A state dict shaped like a saved one, whose tensors ``dcp.load`` fills in place."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options())
     return {"model": model_sd, "optimizer": optim_sd, "trainer": b"", "rank_state": {rank_key: b""}}
 
 
@@ -122,7 +126,7 @@ def apply_loaded(loaded: dict[str, Any], rank_key: str, *, model: nn.Module, opt
     """Push a filled ``load_template`` into the live objects."""
     impl = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
-                   options=STATE_DICT_OPTIONS)
+                   options=state_dict_options())
     for group, keep in zip(optimizer.param_groups, impl):
         group.update(keep)
     trainer = pickle.loads(loaded["trainer"])
@@ -136,7 +140,7 @@ def apply_loaded(loaded: dict[str, Any], rank_key: str, *, model: nn.Module, opt
         loader.load_state_dict(reshard_loader_state(rank_state["loader"], loader.state_dict()))
         log(f"checkpoint: saved by {saved_world_size} rank(s), resumed on {world_size}: model, optimizer, LR "
             f"schedule and step are exact; the data stream continues after the same number of global samples, "
-            f"but which chunks of the current epoch were already seen is not carried over; RNG states are reseeded")
+            f"but which chunks of the current epoch were already seen is not carried over; RNGs keep this run's seed")
 
 
 def reshard_loader_state(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
