@@ -269,3 +269,28 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     _copy_checkpoint(d["fsdp1"] / "dump", 14, d["back"])
     run(ckpt_args(d["back"], steps=14), hooks=cap)
     _same_state(torch.load(tmp_path / "fsdp1_14.pt"), cap.start)  # FSDP1 saves -> 1 rank
+
+
+def test_state_dict_names_do_not_depend_on_wrappers():
+    """Activation checkpointing and compile wrap the blocks; checkpoint keys must stay the plain module names,
+    or a checkpoint could not move between configurations."""
+    from nsa_titan.checkpoint.state import dcp_state_dict
+    from nsa_titan.components.optimizer import build_optimizer
+    from nsa_titan.config import load_job_config
+    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
+
+    keys = []
+    for extra in ([], ["--compile.enable", "--activation_checkpoint.mode", "full"],
+                  ["--activation_checkpoint.mode", "selective_op"]):
+        cfg = load_job_config(["--training.device", "cpu", "--model.n_layers", "2", "--model.attn_impl", "torch",
+                               *extra])
+        with torch.device("meta"):
+            model = build_model(get_model_args("debug", **cfg.model.overrides()))
+        model = parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
+        opt = build_optimizer(model, cfg.optimizer, "cpu", require_fused=True)
+        host = {"train_state": {}, "lr_scheduler": {}, "loader": {}, "rng": {}}
+        state = dcp_state_dict(model, opt, host, rank=0)
+        keys.append((sorted(state["model"]), sorted(state["optimizer"])))
+        assert not any("_orig_mod" in k or "checkpoint_wrapped" in k for k in state["model"])
+    assert keys[0] == keys[1] == keys[2]

@@ -128,6 +128,9 @@ class Resilience:
             # Updates were dropped on device from the bad step on, so the weights are those after step
             # first - 1; put the data position, schedule, RNG and counters back to that step as well.
             snap = self.guard.snapshot_before(report.first_step)
+            if snap is None:  # cannot happen while checks run at least every log_freq steps; never save a guess
+                raise NonFiniteError(f"{message}; the state before step {report.first_step} is no longer known, "
+                                     "so nothing was saved", step=report.first_step)
             live = self._live
             restore_host_state(snap, self.train_state, live["scheduler"], live["optimizer"], live["loader"],
                                live["device"])
