@@ -27,6 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLAVOR_BATCH = {"m7c": 2, "1b": 1, "debug": 2}  # local sequences per micro-batch at --seq
+# A run is "1gpu" or "<data_parallel>[+variant...]", e.g. "fsdp2+reshard_never"; variants add overrides.
+VARIANTS = {
+    "reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
+    "prefetch2": ["--parallelism.fsdp_prefetch", "2"],
+    "bf16_reduce": ["--parallelism.reduce_dtype", "bf16"],
+    "compile": ["--compile.enable"],
+}
 
 
 def run_one(name: str, nproc: int, dp: str | None, flavor: str, a, extra: list[str], log) -> dict:
@@ -95,6 +102,52 @@ def check_targets(rows: list[dict], ngpu: int) -> list[str]:
     return lines
 
 
+def comm_worker(cpu: bool) -> None:
+    """torchrun worker: bandwidth of the collectives FSDP/DDP use, on the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cpu") if cpu else torch.device(f"cuda:{rank}")
+    if not cpu:
+        torch.cuda.set_device(dev)
+    results = []
+    for mib in ((0.004, 1, 16) if cpu else (0.004, 8, 64, 256)):
+        n = max(1, int(mib * 2**20 / 2)) // world * world  # bf16 elements, divisible by the world size
+        full, shard = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.ones(n // world, dtype=torch.bfloat16, device=dev)
+        ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+               "all_reduce": lambda: dist.all_reduce(full)}
+        for name, op in ops.items():
+            for _ in range(3):
+                op()
+            if not cpu:
+                torch.cuda.synchronize()
+            reps = 5 if cpu else 20
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                op()
+            if not cpu:
+                torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / reps
+            factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
+            results.append({"op": name, "MiB": mib, "ms": dt * 1e3, "busbw_GBps": n * 2 * factor / dt / 1e9})
+    if rank == 0:
+        print("COMM " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+
+
+def comm_test(a, log) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.ngpu}",
+           str(Path(__file__).resolve()), "--comm-worker", *(["--cpu"] if a.cpu else [])]
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    log.write(proc.stdout + proc.stderr)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("COMM ")), None)
+    return json.loads(line[5:]) if line else [{"error": f"exit {proc.returncode}"}]
+
+
 def environment(cpu: bool) -> dict:
     import platform
 
@@ -129,18 +182,32 @@ def main() -> None:
     ap.add_argument("--tag", default="h200x2_seq8192")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--log", default=None, help="file for the runs' output (default: OUT/parallel_TAG.log)")
+    ap.add_argument("--comm", action="store_true", help="first measure the collectives' bandwidth")
+    ap.add_argument("--comm-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--topology", default=None, help="a file with `nvidia-smi topo -m` output, quoted in the results")
     ap.add_argument("extra", nargs="*", help="overrides for every run, e.g. -- --compile.enable")
     a = ap.parse_args()
+    if a.comm_worker:
+        comm_worker(a.cpu)
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(a.cpu), []
+    if a.topology and Path(a.topology).exists():
+        env["topology"] = Path(a.topology).read_text()
     with open(a.log or out / f"parallel_{a.tag}.log", "a") as log:
+        if a.comm:
+            env["collectives"] = comm_test(a, log)
+            print("collectives:", json.dumps(env["collectives"]), flush=True)
         for flavor in a.flavors.split(","):
             for run in a.runs.split(","):
                 if run == "1gpu":
                     rows.append(run_one("1gpu", 1, None, flavor, a, a.extra, log))
                 else:
-                    rows.append(run_one(f"{run}_{a.ngpu}gpu", a.ngpu, run, flavor, a, a.extra, log))
+                    dp, *variants = run.split("+")
+                    extra = [x for v in variants for x in VARIANTS[v]] + a.extra
+                    name = "+".join([f"{dp}_{a.ngpu}gpu", *variants])
+                    rows.append(run_one(name, a.ngpu, dp, flavor, a, extra, log))
                 print(json.dumps(rows[-1]), flush=True)
                 write_results(out, a, env, rows)  # after every run: a cut-short call still leaves results
     print((out / f"parallel_{a.tag}.md").read_text())
@@ -164,6 +231,13 @@ def write_results(out: Path, a, env: dict, rows: list[dict]) -> None:
         lines.append(f"| {r['flavor']} | {r['run']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['step_time_s']:.3f} | "
                      f"{r['peak_mem_gib']:.1f} | {fmt(r['gpu_busy'], '.1%')} | {fmt(r['mfu'], '.1%')} | "
                      f"{r['final_loss']:.2f} |")
+    if env.get("collectives"):
+        lines += ["", "Collectives (bf16, NCCL busbw = bytes x (N-1)/N [x2 for all-reduce] / time):", "",
+                  "| op | MiB | ms | busbw GB/s |", "|---|---|---|---|"]
+        lines += [f"| {c['op']} | {c['MiB']:g} | {c['ms']:.3f} | {c['busbw_GBps']:.1f} |"
+                  for c in env["collectives"] if "op" in c]
+    if env.get("topology"):
+        lines += ["", "GPU topology (`nvidia-smi topo -m`):", "", "```", env["topology"].strip(), "```"]
     lines += ["", "Targets:", *targets]
     (out / f"parallel_{a.tag}.md").write_text("\n".join(lines) + "\n")
 

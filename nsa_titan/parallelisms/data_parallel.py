@@ -39,7 +39,10 @@ def _reshard_policy(value: Any) -> tuple[bool | int, bool]:
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype, device: torch.device) -> None:
     """fully_shard per unit (see module docstring). HSDP when ``mesh`` is 2-D (replicate x shard)."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype])
+    # cast_forward_inputs=False: blocks receive the fp32 RoPE tables, which a bf16 cast would coarsen (the
+    # activations are already in the compute dtype; autocast handles the rest, as with one GPU).
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype],
+                              cast_forward_inputs=False)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload else OffloadPolicy()
     blocks_reshard, last_reshard = _reshard_policy(pcfg.fsdp_reshard_after_forward)
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
