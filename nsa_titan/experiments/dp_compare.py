@@ -1,0 +1,146 @@
+"""FSDP2 vs FSDP1 vs DDP: tokens/s per GPU, step time and peak memory on 1 and N GPUs, with and without AC.
+
+    python -m nsa_titan.experiments.dp_compare --config train_configs/nsa_1b.toml --gpus 1,2 --ac none,full \\
+        --out benchmarks/results --tag 1b_seq8192 -- --training.seq_len 8192 --training.local_batch_size 1
+
+Every run is the trainer (``torchrun`` for N > 1) with the same per-GPU batch, so per-GPU tokens/s of an N-GPU run
+divided by the 1-GPU run's is the scaling efficiency (target for FSDP2 on 2 GPUs: >= 95%). The 1-GPU run has no
+data parallelism (one process), the baseline every wrapper is compared with. ``--ac`` takes ``none``, ``full``,
+``selective_op``, ``ratio:P`` or ``memory_budget:B``. Writes ``dp_compare_<tag>.{md,json,png}``; the runs'
+metrics stay in ``<out>/dp_compare_<tag>/runs/`` and are reused by a second invocation (``--time-limit-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from nsa_titan.experiments.common import (
+    REPO, Runner, environment_of, md_table, pending_note, save_plot, visible_gpus, write_report,
+)
+
+DP_KINDS = ("fsdp2", "fsdp1", "ddp")
+SCALING_TARGET = 0.95
+
+
+def ac_args(spec: str) -> list[str]:
+    """'none' | 'full' | 'selective_op' | 'ratio:P' | 'memory_budget:B' -> trainer flags."""
+    mode, _, value = spec.partition(":")
+    if mode not in ("none", "full", "selective_op", "ratio", "memory_budget"):
+        raise SystemExit(f"--ac: unknown mode {mode!r}; use none, full, selective_op, ratio:P or memory_budget:B")
+    out = ["--activation_checkpoint.mode", mode]
+    if mode in ("ratio", "memory_budget"):
+        if not value:
+            raise SystemExit(f"--ac {spec}: give the value, e.g. {mode}:0.5")
+        out += [f"--activation_checkpoint.{mode}", value]
+    return out
+
+
+def plan_runs(gpus: list[int], acs: list[str], kinds: list[str]) -> list[dict[str, Any]]:
+    runs = []
+    for ac in acs:
+        for g in gpus:
+            for dp in (["none"] if g == 1 else kinds):
+                name = f"ac-{ac.replace(':', '')}_{g}gpu" + ("" if g == 1 else f"_{dp}")
+                runs.append({"name": name, "gpus": g, "ac": ac, "data_parallel": dp})
+    return runs
+
+
+def add_scaling(rows: list[dict[str, Any]]) -> None:
+    base = {r["ac"]: r for r in rows if r["gpus"] == 1 and r.get("tokens_per_s_per_gpu")}
+    for r in rows:
+        b = base.get(r["ac"])
+        r["scaling"] = (r["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
+                        if b and r.get("tokens_per_s_per_gpu") else None)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["data_parallel"] == "fsdp2" and r["gpus"] == 2 and r.get("scaling") is not None:
+            verdict = "MET" if r["scaling"] >= SCALING_TARGET else f"MISSED by {SCALING_TARGET - r['scaling']:.1%}"
+            lines.append(f"- AC {r['ac']}: FSDP2 on 2 GPUs runs at {r['scaling']:.1%} of 1-GPU tokens/s per GPU "
+                         f"(target >= {SCALING_TARGET:.0%}): {verdict}")
+    return lines
+
+
+def write_dp_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[str, Any],
+                    pending: list[str]) -> dict[str, Any]:
+    add_scaling(rows)
+    stem = f"dp_compare_{tag}"
+    env = environment_of(rows)
+    lines = [f"# FSDP2 vs FSDP1 vs DDP: {tag}", "",
+             f"{env['device']}, torch {env['torch']}, triton {env['triton']}; {meta['steps']} steps, timed after step "
+             f"{meta['warmup']}; trainer args {meta['train_args']}", "",
+             *md_table(rows, [("AC", "ac", ""), ("GPUs", "gpus", ""), ("data parallel", "data_parallel", ""),
+                              ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"), ("step s", "step_time_s", ".3f"),
+                              ("scaling", "scaling", ".1%"), ("peak alloc GiB", "peak_mem_gib", ".1f"),
+                              ("active GiB", "peak_mem_active_gib", ".1f"),
+                              ("reserved GiB", "peak_mem_reserved_gib", ".1f"), ("MFU", "mfu", ".1%"),
+                              ("TFLOP/s/GPU", "tflops_per_gpu", ".1f"), ("GPU busy", "gpu_busy", ".0%"),
+                              ("error", "error", "")]),
+             "", "Targets:", *(targets(rows) or ["- (no 2-GPU FSDP2 run measured)"]), *pending_note(pending)]
+
+    def draw(plt):
+        ok = [r for r in rows if r.get("tokens_per_s_per_gpu")]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        labels = [f"{r['gpus']}gpu {r['data_parallel']}\nAC {r['ac']}" for r in ok]
+        colors = {ac: f"C{i}" for i, ac in enumerate(dict.fromkeys(r["ac"] for r in ok))}
+        for ax, key, title in ((axes[0], "tokens_per_s_per_gpu", "tokens/s per GPU"),
+                               (axes[1], "peak_mem_reserved_gib", "peak memory (GiB; reserved, else allocated)")):
+            # CPU runs have no reserved memory: show the allocated peak there instead of nothing.
+            ax.bar(range(len(ok)), [r.get(key) or r.get("peak_mem_gib") or 0 for r in ok], color=[colors[r["ac"]] for r in ok])
+            ax.set_xticks(range(len(ok)), labels, fontsize=7)
+            ax.set_title(title)
+            ax.grid(axis="y", alpha=0.3)
+        fig.suptitle(f"{tag}: data-parallel wrappers")
+
+    note = save_plot(out / f"{stem}.png", draw)
+    if note:
+        lines += ["", note]
+    result = {"experiment": "dp_compare", "tag": tag, **meta, **env, "rows": rows, "targets": targets(rows),
+              "pending": pending}
+    write_report(out, stem, result, lines)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--ac", default="none,full", help="comma list of AC settings (see above)")
+    ap.add_argument("--data-parallel", default=",".join(DP_KINDS))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4, help="untimed first steps (also the log window)")
+    ap.add_argument("--run-timeout-s", type=float, default=300)
+    ap.add_argument("--time-limit-s", type=float, default=None, help="start no new run after this")
+    ap.add_argument("--cpu", action="store_true", help="CPU processes with gloo: checks the experiment, not speed")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="dp")
+    a, extra = ap.parse_known_args(argv)
+    extra = [x for x in extra if x != "--"] + (["--training.device", "cpu"] if a.cpu else [])
+    out = Path(a.out)
+    runner = Runner(out / f"dp_compare_{a.tag}", warmup=a.warmup, steps=a.steps, timeout_s=a.run_timeout_s,
+                    time_limit_s=a.time_limit_s, force=a.force, gpu=not a.cpu)
+    have = None if a.cpu else visible_gpus()
+    rows = []
+    for run in plan_runs([int(g) for g in a.gpus.split(",")], a.ac.split(","), a.data_parallel.split(",")):
+        if have is not None and run["gpus"] > max(have, 1):
+            rows.append({**run, "error": f"needs {run['gpus']} GPUs, {have} visible"})
+            continue
+        args = ["--config", a.config, *extra, *ac_args(run["ac"])]
+        if run["data_parallel"] != "none":
+            args += ["--parallelism.data_parallel", run["data_parallel"]]
+        row = runner.run(run["name"], run["gpus"], args, {"ac": run["ac"], "data_parallel": run["data_parallel"]})
+        if row is not None:
+            rows.append(row)
+    meta = {"steps": a.steps, "warmup": a.warmup, "train_args": ["--config", a.config, *extra]}
+    result = write_dp_report(out, a.tag, rows, meta, runner.pending)
+    print((out / f"dp_compare_{a.tag}.md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main()

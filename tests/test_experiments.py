@@ -1,0 +1,261 @@
+"""Experiments on CPU: the FLOP formula against FlopCounterMode, the GA/AC planner's search, the fake-process-group
+probe, the trainer runner with its cache, and the reports' files."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from nsa_titan.experiments import ac_planner, common, compile_report, dp_compare
+from nsa_titan.experiments.ac_planner import Point, plan, recommendations, smallest_fitting
+from nsa_titan.models import build_model, get_model_args
+from nsa_titan.models.nsa.common import NSAParams
+from nsa_titan.models.nsa.flops import forward_flops_breakdown, training_flops_per_token
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=96, cmp_block=8, cmp_stride=4,
+            slc_block=16, slc_top_n=3, window=24)
+TINY_CLI = [x for k, v in TINY.items() for x in (f"--model.{k}", str(v))] + \
+    ["--training.seq_len", "64", "--training.device", "cpu", "--lr_scheduler.warmup_steps", "1"]
+B, T = 2, 64
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops on a shared 2-core box (see test_train.py)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the FLOP formula against FlopCounterMode -------------------------------------------------------------------
+def counted(args, train: bool) -> dict[str, int]:
+    """FlopCounterMode's matmul FLOPs of one forward (+ backward) on [B, T]; SDPA in its math form so that the
+    counter sees its matmuls (it has no formula for the CPU flash kernel)."""
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        if train:
+            model(tokens).float().pow(2).mean().backward()
+        else:
+            with torch.no_grad():
+                model(tokens)
+    return {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+
+
+def test_dense_flops_equal_the_formula_with_dense_equivalent_attention():
+    """Linear layers exactly; the attention matmuls see all T keys (masking is not skipping), which the formula's
+    coefficients price exactly when given T keys per query instead of the causal average (T + 1) / 2."""
+    args = get_model_args("debug", **TINY, attn_type="dense")
+    parts = forward_flops_breakdown(args, T)
+    dense_equiv = forward_flops_breakdown(args, T, keys={"dense": T})
+    for train, factor in ((False, 1), (True, 3)):  # training = 3 x forward, exactly, for every matmul
+        c = counted(args, train)
+        assert c["aten.mm"] == factor * B * T * parts["linear"]
+        assert c["aten.bmm"] == factor * B * T * dense_equiv["attn_dense"]
+    assert parts["attn_dense"] == dense_equiv["attn_dense"] * (T + 1) / 2 / T  # causal: half the keys (+ diagonal)
+    assert training_flops_per_token(args, T) == 3 * sum(parts.values())
+
+
+def test_nsa_flops_equal_the_formula_on_the_dense_reference():
+    """The reference computes every NSA branch with dense masked matmuls: compressed over all Tc compressed tokens,
+    selected and window over all T keys. Linear layers and phi (the exact number of compressed tokens) match
+    exactly; the attention matches the formula priced at those dense key counts; what remains is the selection's
+    importance map (group probabilities @ overlap, and the overlap matrix itself), which the formula leaves out as
+    O(T/d) per token and which runs without gradient (1x in training)."""
+    args = get_model_args("debug", **TINY, attn_impl="reference")
+    p = NSAParams.from_args(args)
+    tc, nb = p.num_cmp_tokens(T), p.num_slc_blocks(T)
+    parts = forward_flops_breakdown(args, T)
+    dense_equiv = forward_flops_breakdown(args, T, keys={"cmp": tc, "slc": T, "win": T})
+    importance = args.n_layers * (2 * B * args.n_kv_heads * T * tc * nb + 2 * tc * T * nb)
+    for train, factor in ((False, 1), (True, 3)):
+        c = counted(args, train)
+        assert c["aten.mm"] == factor * B * T * (parts["linear"] + parts["phi"]) + importance
+        assert c["aten.bmm"] == factor * B * T * sum(dense_equiv[f"attn_{k}"] for k in ("cmp", "slc", "win"))
+    # The real (sparse) work is smaller than the reference's dense-equivalent in every branch.
+    assert all(parts[f"attn_{k}"] < dense_equiv[f"attn_{k}"] for k in ("cmp", "slc", "win"))
+
+
+# ---- planner search logic with a fake memory model ---------------------------------------------------------------
+def fake_memory(p: Point, ga_gib: float = 3.0) -> float:
+    """GiB: sharded weights/optimizer + activations that checkpointing removes + unsharded grads held by GA >= 2."""
+    return 12.0 / p.gpus + 6.0 * p.local_batch * (1.0 - 0.9 * p.ratio) + (ga_gib if p.probe_ga > 1 else 0.0)
+
+
+def fake_speed(p: Point) -> float:
+    """Tokens/s per GPU: bigger batches are more efficient, recomputation costs up to a third."""
+    return 1000.0 * (1 + math.log2(p.local_batch)) / (1 + p.ratio / 3)
+
+
+RATIOS = [round(0.1 * i, 1) for i in range(11)]
+
+
+def run_plan(budget=30.0, gpus=(1, 2, 4), batches=(1, 2, 4, 8, 16, 32), limit=None, effective=64, ga_gib=3.0):
+    calls = []
+
+    def measure(p: Point):
+        if limit is not None and len(calls) >= limit:
+            return None
+        calls.append(p)
+        return {"peak_reserved_gib": fake_memory(p, ga_gib), "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": fake_speed(p),
+                "seq_len": 8192, "oom": False}
+
+    rows = plan(list(gpus), list(batches), effective, RATIOS, measure, budget=lambda r: budget)
+    return rows, calls
+
+
+def test_planner_finds_the_smallest_fitting_ratio_and_keeps_the_effective_batch():
+    rows, calls = run_plan()
+    by = {(r["gpus"], r["local_batch"]): r for r in rows}
+    for (g, b), r in by.items():
+        if r["status"] == "skipped":
+            assert 64 % (g * b) and "grad_accum" not in r
+            continue
+        ga = 64 // (g * b)
+        assert r["grad_accum"] == ga and g * b * ga == 64
+        fitting = [x for x in RATIOS if fake_memory(Point(g, b, ga, x)) <= 30.0]  # brute force
+        if fitting:
+            assert r["status"] == "fits" and r["ac_ratio"] == fitting[0], (g, b, r)
+            assert r["step_time_s"] == pytest.approx(b * ga * 8192 / fake_speed(Point(g, b, ga, fitting[0])))
+        else:
+            assert r["status"] == "does_not_fit"
+    # Values of the fake model, worked out by hand: 12 + 6 * 4 * (1 - 0.9 r) + 3 <= 30 needs r >= 0.42 -> 0.5.
+    assert by[(1, 1)]["ac_ratio"] == 0.0 and by[(1, 4)]["ac_ratio"] == 0.5 and by[(1, 32)]["status"] == "does_not_fit"
+    # Bisection: at most 2 + ceil(log2 11) probes per cell, far fewer than trying every ratio.
+    per_cell = {}
+    for p in calls:
+        per_cell[(p.gpus, p.local_batch)] = per_cell.get((p.gpus, p.local_batch), 0) + 1
+    assert max(per_cell.values()) <= 6 and len(calls) < 0.3 * len(RATIOS) * len(rows)
+    best = recommendations(rows)
+    assert ac_planner.describe(best[1]) == "1 GPU: bs=16 AC=1 GA=4"  # fastest fitting, in the study's shape
+    assert ac_planner.describe(best[4]) == "4 GPUs: bs=16 AC=0.8 GA=1"
+
+
+def test_planner_rules_out_larger_batches_without_probing_them():
+    """bs=32 (GA 4, probed with GA 2) does not fit even fully checkpointed, so bs=64 (GA 2, same probe GA, more
+    activations) cannot either: it gets no probe."""
+    rows, calls = run_plan(gpus=(1,), batches=(32, 64), effective=128)
+    assert [r["status"] for r in rows] == ["does_not_fit", "does_not_fit"]
+    assert {p.local_batch for p in calls} == {32} and "bs=32" in rows[1]["note"]
+
+
+def test_planner_bounds_reset_when_the_probe_ga_changes():
+    """With GA >= 2 gradients are held between micro-batches (here 30 GiB): bs=32 at GA 2 does not fit, but bs=64 at
+    GA 1 holds none and fits fully checkpointed (12 + 384 * 0.1 = 50.4 <= 55). Nothing may be inferred across."""
+    rows, calls = run_plan(budget=55.0, gpus=(1,), batches=(32, 64), ga_gib=30.0)
+    assert [r["status"] for r in rows] == ["does_not_fit", "fits"] and rows[1]["ac_ratio"] == 1.0
+
+
+def test_planner_skips_indivisible_batches_and_stops_cleanly_at_the_time_limit():
+    rows, _ = run_plan(gpus=(3,), batches=(1, 2))
+    assert {r["status"] for r in rows} == {"skipped"} and "not a multiple" in rows[0]["note"]
+    rows, calls = run_plan(limit=3)
+    assert len(calls) == 3 and [r["status"] for r in rows].count("pending") >= 1
+    assert all(r["status"] in ("fits", "pending", "does_not_fit", "skipped") for r in rows)
+
+
+@pytest.mark.parametrize("pattern, lo, expected", [
+    ("FFFTTT", 0, 3), ("TTTTTT", 0, 0), ("FFFFFF", 0, None), ("FFFFFT", 0, 5), ("FFFFTT", 4, 4), ("F", 0, None),
+    ("FFFTTT", 5, 5)])
+def test_smallest_fitting(pattern, lo, expected):
+    seen = []
+    idx, complete = smallest_fitting(len(pattern), lo, lambda i: seen.append(i) or pattern[i] == "T")
+    assert (idx, complete) == (expected, True) and len(seen) <= 2 + math.ceil(math.log2(len(pattern)))
+
+
+# ---- real measurement on CPU: the fake process group -------------------------------------------------------------
+def test_probe_runs_rank0_of_a_fake_world_and_the_planner_cli_writes_its_files(tmp_path):
+    result = ac_planner.main(["--config", "train_configs/debug_model.toml", "--gpus", "1,2", "--effective-batch", "4",
+                              "--local-batches", "1,2", "--ratios", "0,1", "--memory-budget-gib", "1000",
+                              "--in-process", "--warmup", "1", "--steps", "1", "--out", str(tmp_path),
+                              "--tag", "cpu", "--", *TINY_CLI])
+    probes = json.loads((tmp_path / "ac_plan_cpu" / "probes.json").read_text())
+    fake = [v for v in probes.values() if v["fake_process_group"]]
+    assert fake and all(v["world_size"] == 2 and v["tokens_per_s_per_gpu"] > 0 for v in fake)
+    assert "fake process group of 2" in fake[0]["time_source"]
+    assert set(result["recommendations"]) == {"1", "2"}
+    md = (tmp_path / "ac_plan_cpu.md").read_text()
+    assert "1 GPU: bs=" in md and "| GPUs | local batch | GA | AC ratio |" in md
+    assert json.loads((tmp_path / "ac_plan_cpu.json").read_text())["rows"]
+    assert_png_or_note(tmp_path / "ac_plan_cpu.png", md)
+
+
+def assert_png_or_note(png, md):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in md
+        return
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- trainer runs: steady state, cache, reports ------------------------------------------------------------------
+def test_steady_stats_use_windows_after_warmup():
+    recs = [{"type": "train", "step": s, "window_steps": w, "window_s": ws, "window_tokens": tok, "loss": 1.0,
+             "tokens_per_s_per_gpu": tok / ws, "peak_mem_gib": 1.0}
+            for s, w, ws, tok in ((1, 1, 30.0, 100), (4, 3, 3.0, 300), (8, 4, 2.0, 400), (12, 4, 2.0, 400))]
+    st = common.steady_stats(recs + [{"type": "val", "step": 12}], warmup=4)
+    assert st["steps_timed"] == 8 and st["step_time_s"] == pytest.approx(0.5)
+    assert st["tokens_per_s"] == pytest.approx(200.0) and st["first_step_s"] == 30.0
+
+
+def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypatch):
+    argv = ["--config", "train_configs/debug_model.toml", "--cpu", "--gpus", "1", "--ac", "none", "--steps", "4",
+            "--warmup", "2", "--out", str(tmp_path), "--tag", "cpu", "--", *TINY_CLI, "--training.local_batch_size", "2"]
+    first = dp_compare.main(argv)
+    row = first["rows"][0]
+    assert "error" not in row, row.get("error")
+    assert row["tokens_per_s_per_gpu"] > 0 and row["steps_timed"] == 2 and row["first_step_s"] > 0
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a cached run was started again"))
+    again = dp_compare.main(argv)
+    assert again["rows"][0]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
+
+
+def fake_row(gpus, dp, ac, tps, **kw):
+    return {"run": f"{ac}_{gpus}_{dp}", "gpus": gpus, "data_parallel": dp, "ac": ac, "tokens_per_s_per_gpu": tps,
+            "tokens_per_s": tps * gpus, "step_time_s": 8192 / tps, "peak_mem_gib": 40.0 / gpus,
+            "peak_mem_reserved_gib": 45.0 / gpus, "mfu": 0.3, "device": "NVIDIA H200", "torch": "2.13", **kw}
+
+
+def test_dp_report_computes_scaling_and_targets(tmp_path):
+    rows = [fake_row(1, "none", "none", 1000.0), fake_row(2, "fsdp2", "none", 960.0), fake_row(2, "ddp", "none", 900.0),
+            fake_row(1, "none", "full", 800.0), fake_row(2, "fsdp2", "full", 700.0),
+            {"run": "x", "gpus": 2, "data_parallel": "fsdp1", "ac": "full", "error": "out of memory"}]
+    result = dp_compare.write_dp_report(tmp_path, "t", rows, {"steps": 12, "warmup": 4, "train_args": []}, ["later"])
+    assert rows[1]["scaling"] == pytest.approx(0.96) and rows[4]["scaling"] == pytest.approx(0.875)
+    assert [t.split(":")[-1].strip()[:6] for t in result["targets"]] == ["MET", "MISSED"]
+    md = (tmp_path / "dp_compare_t.md").read_text()
+    assert "out of memory" in md and "Incomplete" in md and "96.0%" in md
+    assert_png_or_note(tmp_path / "dp_compare_t.png", md)
+
+
+def test_compile_report_derives_compile_time_and_nsa_vs_dense(tmp_path, monkeypatch):
+    def row(attn, compiled, tps, first, mfu):
+        return {"seq_len": 8192, "attn": attn, "compiled": compiled, "tokens_per_s": tps, "first_step_s": first,
+                "mfu": mfu, "compile": {"recompiles": 0} if compiled else None, "device": "NVIDIA H200"}
+
+    rows = [row("nsa", False, 50e3, 9.0, 0.25), row("nsa", True, 80e3, 70.0, 0.42), row("dense", False, 40e3, 3.0, 0.3),
+            row("dense", True, 60e3, 40.0, 0.45)]
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result = compile_report.write_compile_report(tmp_path, "t", rows, {"steps": 12, "warmup": 4, "train_args": []}, [])
+    assert rows[1]["compile_time_s"] == pytest.approx(61.0) and rows[1]["speedup"] == pytest.approx(1.6)
+    assert rows[0]["nsa_vs_dense"] == pytest.approx(1.25) and rows[1]["nsa_vs_dense"] == pytest.approx(80 / 60)
+    assert result["targets"][0].endswith("MET") and all(t.endswith("MET") for t in result["targets"])
+    md = (tmp_path / "compile_t.md").read_text()
+    assert "matplotlib is not installed" in md and not (tmp_path / "compile_t.png").exists()  # says so, no crash
