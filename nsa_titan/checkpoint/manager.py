@@ -154,7 +154,11 @@ class CheckpointManager:
                 if problem:
                     self.log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
                     continue
-                self._check_model_args(path, meta)
+                if out and self._model_diff(meta):  # an older fallback of another model could never load
+                    self.log(f"WARNING: checkpoint {path} holds another model; it is not a fallback")
+                    continue
+                if not out:
+                    self._check_model_args(path, meta)  # the newest one decides: another model is an error
                 out.append(path)
             return out
         path = Path(source).expanduser()
@@ -168,8 +172,11 @@ class CheckpointManager:
         self._check_model_args(path, meta)
         return [path]
 
+    def _model_diff(self, meta: dict[str, Any]) -> list[str]:
+        return model_args_mismatch(meta.get("model_args", {}), self.model_args) if self.model_args else []
+
     def _check_model_args(self, path: Path, meta: dict[str, Any]) -> None:
-        diff = model_args_mismatch(meta.get("model_args", {}), self.model_args) if self.model_args else []
+        diff = self._model_diff(meta)
         if diff:
             raise ConfigError(f"checkpoint.resume_from: {path} holds another model ({'; '.join(diff)}); resume with "
                               "the same [model] settings, or start fresh with --checkpoint.resume_from none "
