@@ -8,6 +8,7 @@ compute.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp32": torch.float32})  # read-only
 
 
 def resolve_param_dtype(param_dtype: str, mixed_precision: str, device: torch.device) -> torch.dtype:
