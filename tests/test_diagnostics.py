@@ -115,6 +115,23 @@ def test_sampled_branch_outputs_equal_the_reference_branches():
     torch.testing.assert_close(got, want[:, pos], atol=1e-5, rtol=1e-5)
 
 
+def test_record_is_fp32_under_bf16_autocast():
+    """The training forward runs under bf16 autocast; the statistics must not be computed in bf16."""
+    torch.manual_seed(2)
+    b, t, hq, hkv, d = 1, 64, 4, 2, 16
+    q = torch.randn(b, t, hq, d)
+    tc = P.num_cmp_tokens(t)
+    kv_cmp, kv_slc, kv_win = ((torch.randn(b, n, hkv, d), torch.randn(b, n, hkv, d)) for n in (tc, t, t))
+    gates = torch.rand(b, t, hq, 3)
+    blocks = reference_blocks(q, kv_cmp[0], kv_slc[0])
+    diag = NSADiagnostics()
+    want = diag.record(q, kv_cmp, kv_slc, kv_win, gates, blocks, P)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = diag.record(q, kv_cmp, kv_slc, kv_win, gates, blocks, P)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_selection_stats_on_hand_built_choices():
     # l' = 16; query 63 sits in block 3. Slots: [0, 3, 2] -> distances 3, 0, 1 (all forced: block 0, own,
     # previous); query 40 (block 2): [2, 1, -1] -> 0, 1 and an unused slot; query 60 (block 3): [3, 1, 0] ->

@@ -54,7 +54,8 @@ def selection_stats(block_idx: torch.Tensor, slc_block: int) -> dict[str, torch.
     current = t // slc_block
     valid = block_idx >= 0
     dist = (current - block_idx).clamp(min=0)
-    bounds = torch.tensor([2**i for i in range(N_DISTANCE_BINS - 1)], device=block_idx.device)
+    # Built on the device (a Python-list tensor would be a host-to-device copy in the forward).
+    bounds = 2 ** torch.arange(N_DISTANCE_BINS - 1, device=block_idx.device)
     bins = torch.bucketize(dist, bounds, right=True)  # 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, ...
     # Unused slots go to an extra last bin that is cut off (bincount would size itself with a host sync).
     bins = torch.where(valid, bins, N_DISTANCE_BINS).flatten()
@@ -193,7 +194,8 @@ class NSADiagnostics:
 
     def record(self, q, kv_cmp, kv_slc, kv_win, gates, blocks, params) -> torch.Tensor:
         """Called by NSAAttention.forward while enabled: this layer's values, flat (``stat_layout``). No host sync."""
-        with torch.no_grad():
+        # fp32 statistics: the training forward runs under bf16 autocast, which would also cast these matmuls.
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
             block_idx = block_indices(blocks.detach(), params.slc_top_n)
             pos = sample_positions(q.shape[1], self.num_positions, q.device)
             branch_out = sampled_branch_outputs(q, kv_cmp, kv_slc, kv_win, block_idx, params, pos)
