@@ -163,6 +163,16 @@ def test_planner_skips_indivisible_batches_and_stops_cleanly_at_the_time_limit()
     assert all(r["status"] in ("fits", "pending", "does_not_fit", "skipped") for r in rows)
 
 
+def test_a_crashed_probe_is_an_error_not_a_cell_that_does_not_fit():
+    def measure(p: Point):
+        if p.local_batch == 2:
+            return {"failed": True, "error": "probe exit 1: RuntimeError: boom"}
+        return {"peak_reserved_gib": 1.0, "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": 1.0, "seq_len": 8, "oom": False}
+
+    rows = plan([1], [1, 2, 4], 64, RATIOS, measure, budget=lambda r: 30.0)
+    assert [r["status"] for r in rows] == ["fits", "error", "fits"] and "boom" in rows[1]["note"]
+
+
 @pytest.mark.parametrize("pattern, lo, expected", [
     ("FFFTTT", 0, 3), ("TTTTTT", 0, 0), ("FFFFFF", 0, None), ("FFFFFT", 0, 5), ("FFFFTT", 4, 4), ("F", 0, None),
     ("FFFTTT", 5, 5)])

@@ -51,7 +51,11 @@ class Point:
         return min(self.grad_accum, 2)
 
 
-Measure = Callable[[Point], "dict[str, Any] | None"]  # None: not measured (time limit)
+Measure = Callable[[Point], "dict[str, Any] | None"]  # None: not measured (time limit); {"failed": ...}: crashed
+
+
+class ProbeFailed(Exception):
+    """A probe that crashed for another reason than running out of memory: an error, not a 'does not fit'."""
 
 
 def memory_gib(result: dict[str, Any], metric: str) -> float:
@@ -112,11 +116,17 @@ def plan(gpus: Sequence[int], local_batches: Sequence[int], effective_batch: int
                 result = measure(Point(g, b, ga, ratios[i]))
                 if result is None:
                     return None
+                if result.get("failed"):
+                    raise ProbeFailed(result.get("error", "probe failed"))
                 seen[i] = result
                 mem = memory_gib(result, metric)
                 return mem != math.inf and mem <= budget(result)  # an OOM result may not know the device size
 
-            idx, complete = smallest_fitting(len(ratios), lo, fits)
+            try:
+                idx, complete = smallest_fitting(len(ratios), lo, fits)
+            except ProbeFailed as e:
+                rows.append({**row, "status": "error", "probes": len(seen), "note": str(e)[-200:]})
+                continue
             row["probes"] = len(seen)
             if not complete:
                 rows.append({**row, "status": "pending", "note": "time limit: run the command again to continue"})
@@ -179,6 +189,8 @@ class ProbeRunner:
                 str(p.probe_ga), "--activation_checkpoint.mode", "ratio", "--activation_checkpoint.ratio", str(p.ratio)]
         self.log(f"probe {key.split('/')[1]}" + (f" (fake process group of {p.gpus})" if fake else ""))
         result = self._in_process(args, p, fake) if self.in_process else self._subprocess(args, p, fake, key)
+        if result is None or result.get("failed"):
+            return result  # a timeout (None: like the time limit) or a crash is not cached: the next run retries
         result["time_source"] = (f"fake process group of {p.gpus}: compute only, no communication" if fake
                                  else f"measured on {p.gpus} device(s)")
         self.cache[key] = result
@@ -194,7 +206,7 @@ class ProbeRunner:
         torch._dynamo.reset()  # a fresh model per probe: stale compiled graphs would count against recompile limits
         return run_probe(args, fake_world_size=p.gpus if p.gpus > 1 else None, warmup=self.warmup, steps=self.steps)
 
-    def _subprocess(self, args: list[str], p: Point, fake: bool, key: str) -> dict[str, Any]:
+    def _subprocess(self, args: list[str], p: Point, fake: bool, key: str) -> dict[str, Any] | None:
         name = key.replace("/", "_")
         result_file, log_file = self.work / f"{name}.json", self.work / f"{name}.log"
         self.work.mkdir(parents=True, exist_ok=True)
@@ -212,9 +224,12 @@ class ProbeRunner:
         if result_file.exists():
             return json.loads(result_file.read_text())
         text = log_file.read_text()
-        # An OOM outside the measured steps (e.g. NCCL buffers on some rank) still means: does not fit.
-        return {"oom": "out of memory" in text.lower(), "error": f"exit {rc}: {text[-300:]}", "peak_alloc_gib": math.inf,
-                "seq_len": 0}
+        if rc == "timeout":
+            self.log(f"probe timed out after {self.timeout_s:.0f} s (raise --probe-timeout-s); see {log_file}")
+            return None
+        if "out of memory" in text.lower():  # outside the measured steps (e.g. NCCL buffers): still does not fit
+            return {"oom": True, "error": text[-300:], "peak_alloc_gib": math.inf, "seq_len": 0}
+        return {"failed": True, "error": f"probe exit {rc}, see {log_file}: {text[-300:]}"}
 
 
 def write_plan_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
