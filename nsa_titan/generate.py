@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     new, stats = generate(model, prompt, ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                           seed=ns.seed, eos_id=None if ns.no_stop_at_eos else tokenizer.eos_id, autocast=autocast,
                           cache_dtype=torch.bfloat16 if bf16 else None)
-    texts = [tokenizer.decode(row.tolist()) for row in new.cpu()]
-    result = {"texts": texts, "tokens": new.cpu().tolist(), **stats, "device": device_name(device),
+    texts = [tokenizer.decode(row.tolist()) for row in new.cpu()]  # host sync ok: generation finished
+    result = {"texts": texts, "tokens": new.cpu().tolist(), **stats, "device": device_name(device),  # host sync ok: generation finished
               "attn_type": args.attn_type, "checkpoint": ns.checkpoint}
     if ns.json:
         print(json.dumps(result))

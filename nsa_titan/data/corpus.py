@@ -207,7 +207,7 @@ def tokenize_documents(docs: Iterable[bytes], tokenizer) -> TokenCorpus:
     np.cumsum(lens[:-1], out=starts[1:])
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     tokens = np.empty(int(lens.sum()), dtype=dtype)
-    for s, e in zip(starts.tolist(), encoded):  # one slice copy per document, not per token
+    for s, e in zip(starts.tolist(), encoded):  # one slice copy per document, not per token; host sync ok: numpy host data
         tokens[s:s + len(e)] = e
         tokens[s + len(e)] = tokenizer.eos_id
     top = int(tokens.max())

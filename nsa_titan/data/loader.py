@@ -112,7 +112,7 @@ class PackedTextDataset:
         indices = np.asarray(indices, dtype=np.int64)
         epochs, local = np.divmod(indices, self.chunks_per_rank)
         out = np.empty((len(indices), self.chunk_len), dtype=self.corpus.tokens.dtype)
-        for e in np.unique(epochs).tolist():
+        for e in np.unique(epochs).tolist():  # host sync ok: numpy host data
             m = epochs == e
             out[m] = self.stream_chunks(e, self.chunk_ids(e, local[m]))
         return out
@@ -179,7 +179,7 @@ class StreamingPackedDataset:
 
     def samples(self, indices: np.ndarray) -> np.ndarray:
         out = []
-        for g in np.asarray(indices, dtype=np.int64).tolist():
+        for g in np.asarray(indices, dtype=np.int64).tolist():  # host sync ok: numpy host data
             target = g * self.world_size + self.rank
             if target < self._next_chunk:
                 self._restart()

@@ -48,7 +48,7 @@ class ByteTokenizer:
         return [self.encode_bytes(d.encode("utf-8") if isinstance(d, str) else d) for d in docs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]  # host sync ok: decoding runs off the training path
         out: list[str] = []
         run = bytearray()
         for i in ids:
@@ -130,7 +130,7 @@ class HFTokenizer:
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]  # host sync ok: decoding runs off the training path
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def __repr__(self) -> str:

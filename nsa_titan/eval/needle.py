@@ -89,7 +89,7 @@ def evaluate_needle(model, tokenizer, *, lengths, depths, samples: int, device: 
                 with autocast():
                     logits = model(tokens[:, :-1])
                 correct += retrieval_accuracy(logits, labels)[0]
-            row = {"context_len": length, "depth": depth, "accuracy": correct.item() / samples, "samples": samples,
+            row = {"context_len": length, "depth": depth, "accuracy": correct.item() / samples, "samples": samples,  # host sync ok: end of an eval cell
                    "needle_pos_mean": float(np.mean(positions)), "seconds": time.perf_counter() - t0}
             log(json.dumps(row))
             rows.append(row)

@@ -45,9 +45,9 @@ def evaluate_perplexity(model, data_cfg, tokenizer, *, seq_len: int, batch_size:
             logits = model(batch["input"])
         loss_sum += token_loss_sum(logits, batch["labels"]).double()
         n_tokens += count_target_tokens([batch])
-    loss = (loss_sum / n_tokens.clamp(min=1)).item()
+    loss = (loss_sum / n_tokens.clamp(min=1)).item()  # host sync ok: end of the eval
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_token": loss / math.log(2),
-            "tokens": int(n_tokens.item()), "batches": n_batches, "seq_len": seq_len,
+            "tokens": int(n_tokens.item()), "batches": n_batches, "seq_len": seq_len,  # host sync ok: end of the eval
             "full_pass": one_pass is not None and n_batches == one_pass}
 
 
