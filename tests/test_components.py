@@ -12,7 +12,8 @@ from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
 from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
 from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
 from nsa_titan.components.runtime import World, world_from_env
-from nsa_titan.components.train_step import IGNORE_INDEX, evaluate, forward_backward, train_step
+from nsa_titan.components.train_step import IGNORE_INDEX, evaluate, forward_backward
+from nsa_titan.parallelisms.train_step import clip_grad_norm, train_step
 
 
 class Tiny(nn.Module):
@@ -349,7 +350,7 @@ def test_world_from_env():
 
 def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
     """The GA loop and grad clipping must not read device values (the optimizer's CPU step counters may)."""
-    from nsa_titan.components.train_step import clip_grads
+    from nsa_titan.parallelisms.train_step import forward_backward as dp_forward_backward
 
     model = Tiny()
     batches = [make_batch([1, 2, 3, 4, 5], 4), make_batch([5, 4, 3, 2, 1], 2)]
@@ -359,8 +360,8 @@ def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
 
     for name in ("item", "tolist", "nonzero", "__float__", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
-    loss = forward_backward(model, batches)
-    norm = clip_grads(list(model.parameters()), 1.0)
-    norm_unclipped = clip_grads(list(model.parameters()), 0.0)
+    loss = dp_forward_backward(model, batches)
+    norm = clip_grad_norm(model, list(model.parameters()), 1.0)
+    norm_unclipped = clip_grad_norm(model, list(model.parameters()), 0.0)
     monkeypatch.undo()
     assert loss.item() > 0 and norm.item() > 0 and norm_unclipped.item() > 0

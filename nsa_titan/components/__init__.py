@@ -4,7 +4,7 @@ from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
 from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_device
 from nsa_titan.components.optimizer import build_optimizer
 from nsa_titan.components.runtime import World, resolve_device, seed_everything, world_from_env
-from nsa_titan.components.train_step import evaluate, forward_backward, train_step
+from nsa_titan.components.train_step import evaluate, forward_backward
 
 __all__ = [
     "MetricsLogger",
@@ -17,6 +17,5 @@ __all__ = [
     "peak_flops_for_device",
     "resolve_device",
     "seed_everything",
-    "train_step",
     "world_from_env",
 ]

@@ -1,10 +1,10 @@
-"""One optimizer step with token-normalised gradient accumulation, and the validation pass.
+"""Token-normalised loss pieces, the single-process gradient-accumulation reference, and the validation pass.
 
 Loss normalisation: the step loss is sum(token CE) / (target tokens of the WHOLE step), so every target
 token weighs the same no matter how the real (non-ignored) tokens are spread over micro-batches. Averaging
 per-micro-batch means instead would over-weight micro-batches with few targets.
-(Data parallelism, issue 3: the token count must also be summed over ranks and the loss scaled by the world
-size to undo the gradient averaging of DP.)
+The trainer's optimizer step is ``nsa_titan.parallelisms.train_step`` (any number of data-parallel ranks);
+``forward_backward`` here is its single-process reference, which the data-parallel tests hold it to.
 """
 
 from __future__ import annotations
@@ -55,36 +55,6 @@ def forward_backward(
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
-
-
-def clip_grads(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total grad norm as a device tensor; clips only when max_norm > 0 (no host sync either way)."""
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads)
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    micro_batches: Sequence[Batch],
-    *,
-    params: Sequence[nn.Parameter],
-    max_norm: float,
-    autocast: Callable[[], AbstractContextManager] = nullcontext,
-    before_optimizer_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``before_optimizer_step(loss, grad_norm)``: e.g. the non-finite guard, which may veto the update on device."""
-    loss = forward_backward(model, micro_batches, autocast)
-    grad_norm = clip_grads(params, max_norm)
-    if before_optimizer_step is not None:
-        before_optimizer_step(loss, grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss, grad_norm
 
 
 @torch.no_grad()
