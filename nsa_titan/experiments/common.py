@@ -187,6 +187,20 @@ def save_plot(path: Path, draw: Callable[[Any], None]) -> str | None:
     return None
 
 
+def draw_speed_and_memory(plt, rows: list[dict[str, Any]], labels: list[str], colors: list[str],
+                          speed_key: str, speed_title: str, suptitle: str) -> None:
+    """Two bar charts side by side: throughput, and peak memory (reserved, else allocated)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], speed_key, speed_title),
+                           (axes[1], "peak_mem_reserved_gib", "peak memory (GiB; reserved, else allocated)")):
+        # CPU runs have no reserved memory: show the allocated peak there instead of nothing.
+        ax.bar(range(len(rows)), [r.get(key) or r.get("peak_mem_gib") or 0 for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(suptitle)
+
+
 def write_report(out: Path, stem: str, result: dict[str, Any], md_lines: list[str]) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}

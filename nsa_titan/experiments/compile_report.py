@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nsa_titan.experiments.common import REPO, Runner, environment_of, md_table, pending_note, save_plot, write_report
+from nsa_titan.experiments.common import (
+    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, save_plot, write_report,
+)
 
 MFU_TARGET = 0.40
 NSA_FROM_SEQ = 8192
@@ -88,17 +90,10 @@ def write_compile_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: 
 
     def draw(plt):
         ok = [r for r in rows if r.get("tokens_per_s")]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         labels = [f"{r['attn']} {'compiled' if r['compiled'] else 'eager'}\nseq {r['seq_len']}" for r in ok]
         colors = ["C1" if r["compiled"] else "C0" for r in ok]
-        for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s (1 GPU)"),
-                               (axes[1], "peak_mem_reserved_gib", "peak memory (GiB; reserved, else allocated)")):
-            # CPU runs have no reserved memory: show the allocated peak there instead of nothing.
-            ax.bar(range(len(ok)), [r.get(key) or r.get("peak_mem_gib") or 0 for r in ok], color=colors)
-            ax.set_xticks(range(len(ok)), labels, fontsize=7)
-            ax.set_title(title)
-            ax.grid(axis="y", alpha=0.3)
-        fig.suptitle(f"{tag}: eager (blue) vs torch.compile (orange)")
+        draw_speed_and_memory(plt, ok, labels, colors, "tokens_per_s", "tokens/s (1 GPU)",
+                              f"{tag}: eager (blue) vs torch.compile (orange)")
 
     note = save_plot(out / f"{stem}.png", draw)
     if note:

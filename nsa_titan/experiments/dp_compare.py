@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from nsa_titan.experiments.common import (
-    REPO, Runner, environment_of, md_table, pending_note, save_plot, visible_gpus, write_report,
+    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, save_plot, visible_gpus,
+    write_report,
 )
 
 DP_KINDS = ("fsdp2", "fsdp1", "ddp")
@@ -84,17 +85,10 @@ def write_dp_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[
 
     def draw(plt):
         ok = [r for r in rows if r.get("tokens_per_s_per_gpu")]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         labels = [f"{r['gpus']}gpu {r['data_parallel']}\nAC {r['ac']}" for r in ok]
-        colors = {ac: f"C{i}" for i, ac in enumerate(dict.fromkeys(r["ac"] for r in ok))}
-        for ax, key, title in ((axes[0], "tokens_per_s_per_gpu", "tokens/s per GPU"),
-                               (axes[1], "peak_mem_reserved_gib", "peak memory (GiB; reserved, else allocated)")):
-            # CPU runs have no reserved memory: show the allocated peak there instead of nothing.
-            ax.bar(range(len(ok)), [r.get(key) or r.get("peak_mem_gib") or 0 for r in ok], color=[colors[r["ac"]] for r in ok])
-            ax.set_xticks(range(len(ok)), labels, fontsize=7)
-            ax.set_title(title)
-            ax.grid(axis="y", alpha=0.3)
-        fig.suptitle(f"{tag}: data-parallel wrappers")
+        ac_color = {ac: f"C{i}" for i, ac in enumerate(dict.fromkeys(r["ac"] for r in ok))}
+        draw_speed_and_memory(plt, ok, labels, [ac_color[r["ac"]] for r in ok], "tokens_per_s_per_gpu",
+                              "tokens/s per GPU", f"{tag}: data-parallel wrappers")
 
     note = save_plot(out / f"{stem}.png", draw)
     if note:
