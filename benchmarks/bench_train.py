@@ -166,8 +166,8 @@ def main() -> None:
                 continue
             s = json.loads(summary_file.read_text())
             rows.append({"variant": name, **{k: s.get(k) for k in (
-                "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "gpu_busy", "peak_mem_gib", "initial_loss",
-                "final_loss", "steps", "device", "torch", "triton", "date")}, "model": s.get("model"),
+                "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
+                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")}, "model": s.get("model"),
                 "training": s["config"]["training"]})
     meta = environment()
     result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
@@ -178,13 +178,15 @@ def main() -> None:
     (out / f"train_{a.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [f"# Training throughput: {a.tag} ({meta.get('device', '?')}, torch {meta.get('torch')}, "
              f"triton {meta.get('triton')}, {result['date'][:10]})", "",
-             "| variant | tokens/s | MFU | GPU busy | peak GiB | loss first -> last |", "|---|---|---|---|---|---|"]
+             "| variant | tokens/s (mean after step 1) | tokens/s/GPU (last log window) | MFU | GPU busy | peak GiB "
+             "| loss first -> last |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
             continue
         fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
+        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                     f"{fmt(r['last_window_tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
                      f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
                      f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
     lines += ["", *notes]

@@ -209,6 +209,22 @@ def test_metrics_jsonl_keys_and_values(tmp_path):
     assert s["tokens_per_s"] == pytest.approx(4000.0)
 
 
+def test_summary_reports_the_last_window_apart_from_the_mean(tmp_path):
+    clock = FakeClock()
+    logger = MetricsLogger(metrics_cfg(), dump_folder=tmp_path, total_steps=6, device=torch.device("cpu"),
+                           world_size=2, clock=clock, busy_timer=FakeBusy(clock, 1.0), print_fn=lambda s: None)
+    for step in range(1, 7):
+        logger.step_start()
+        clock.t += 1.0 if step <= 4 else 0.25  # a slow start (compile, warm-up), then steady state
+        logger.step_end(step, torch.tensor(1.0), torch.tensor(1.0), 1000)
+        if logger.should_log(step):
+            logger.log(step, lr=1e-3)
+    logger.close()
+    s = logger.summary()
+    assert s["last_window_tokens_per_s_per_gpu"] == pytest.approx(1000 / 0.25)  # steps 5-6
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(5000 / 3.5)  # steps 2-6, first window left out
+
+
 def test_gpu_busy_warning_when_cpu_bound(tmp_path):
     lines = []
     run_logger(tmp_path, busy_fraction=0.6, lines=lines)

@@ -358,6 +358,10 @@ class MetricsLogger:
             "tokens": self._tokens_total,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": per_gpu,
+            # The mean above still holds later warm-up (a recompile, allocator growth); the last window
+            # is the closest to steady state a short benchmark run gets.
+            "last_window_tokens_per_s_per_gpu": (recs[-1]["window_tokens"] / recs[-1]["window_s"] / self.world_size
+                                                 if recs and recs[-1]["window_s"] > 0 else None),
             "mfu": mfu,
             "tflops_per_gpu": tflops,
             "gpu_busy": gpu_busy,
