@@ -36,6 +36,12 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the offending key and how to fix it."""
 
 
+def check(ok: bool, name: str, problem: str) -> None:
+    """Raise ConfigError('<name>: <problem>') unless ``ok``: the one shape of every range check."""
+    if not ok:
+        raise ConfigError(f"{name}: {problem}")
+
+
 class _Mismatch(Exception):
     """Internal: a value does not fit a type (turned into a ConfigError with context by ``convert``)."""
 
