@@ -117,18 +117,12 @@ def kernel_busy(config: str, variant: str, extra: list[str], steps: int = 6) -> 
 
 
 def environment() -> dict[str, str | None]:
-    import platform
-
     import torch
 
-    try:
-        import triton
+    from nsa_titan.components.runtime import device_name, software_versions
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-    return {"device": device, "torch": torch.__version__, "triton": triton_version}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {"device": device_name(device), **software_versions()}
 
 
 def main() -> None:

@@ -52,15 +52,15 @@ def main() -> None:
     # A restart from step 1 would reproduce the losses too (training is deterministic): prove it resumed.
     if min(res) != half + 1:
         sys.exit(f"the third run logged from step {min(res)}, not {half + 1}: it did not resume")
-    from nsa_titan.components.runtime import software_versions
-
     import torch
+
+    from nsa_titan.components.runtime import device_name, software_versions
 
     steps = sorted(s for s in res if s > half)
     rel = {s: abs(res[s] - ref[s]) / abs(ref[s]) for s in steps}
     worst = max(rel.values())
     result = {"check": "exact_resume", "config": a.config, "steps": a.steps, "resumed_at": half,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "device": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
               **software_versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "max_rel_diff": worst, "target": 1e-6, "met": worst <= 1e-6, "straight": ref,
               "resumed": {s: res[s] for s in steps}, "extra": a.extra}
