@@ -212,6 +212,45 @@ def test_single_process_parallelize_materialises_and_checkpoints():
     assert torch.isfinite(model(torch.zeros(1, 16, dtype=torch.long))).all()
 
 
+def test_fsdp2_materialises_one_unit_at_a_time(monkeypatch):
+    """Each FSDP2 unit is allocated and initialised just before it is sharded, so no rank ever holds more than
+    one unit unsharded, and the shards hold exactly one process's init (rank 0 of 4 owns the first quarter)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from nsa_titan.experiments.probe import init_fake_process_group
+    from nsa_titan.parallelisms import data_parallel
+
+    cfg = load_job_config(["--parallelism.data_parallel", "fsdp2", "--model.n_layers", "3"])
+    with torch.device("meta"):
+        ref, model = build_model(tiny_args(3)), build_model(tiny_args(3))
+    torch.manual_seed(0)
+    ref.to_empty(device="cpu")
+    ref.init_weights()  # one process
+    full_at_shard_time = []
+    real_fully_shard = data_parallel.fully_shard
+
+    def recording_fully_shard(module, **kw):
+        modules = module if isinstance(module, list) else [module]
+        inside = {id(p) for m in modules for p in m.parameters()}
+        full_at_shard_time.append(sum(p.numel() for p in model.parameters()
+                                      if not p.is_meta and not isinstance(p, DTensor) and id(p) not in inside))
+        return real_fully_shard(module, **kw)
+
+    monkeypatch.setattr(data_parallel, "fully_shard", recording_fully_shard)
+    init_fake_process_group(4)
+    torch.manual_seed(0)
+    try:
+        model = parallelize_nsa(model, ParallelDims.from_config(4, cfg.parallelism), cfg, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert len(full_at_shard_time) == 3 + 3 and not any(full_at_shard_time)  # emb, 3 blocks, head, root
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        local = p.to_local()
+        rows = local.shape[0]
+        assert torch.equal(local, q[:rows]), name  # dim-0 shards: rank 0 holds the leading rows
+
+
 # ---- the trainer, 2 gloo processes through run_train.sh (torchrun) --------------------------------------------
 def test_run_train_sh_two_cpu_processes(tmp_path):
     env = {**os.environ, "NGPU": "2", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

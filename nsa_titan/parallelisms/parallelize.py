@@ -38,10 +38,9 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     3. Data parallelism last, wrapping the compiled blocks: FSDP's all-gather / reduce-scatter hooks run
        outside the compiled graphs, around each block, and a block's recompute in backward runs while
        FSDP holds its parameters unsharded (so recomputation never re-issues the all-gather itself).
-    4. Materialise last for FSDP2: parameters are already sharded DTensors, so each rank allocates only its
-       shard. DDP and FSDP1 need real tensors to wrap (DDP broadcasts them, FSDP1 flattens them and cannot
-       run our model-level init per unit), and DTensor's random init is not sharding-aware on CPU meshes:
-       there, the model is materialised just before wrapping.
+    4. Materialise: FSDP2 allocates, initialises and shards one unit at a time (the same random draws as one
+       process, never more than one unit unsharded); DDP and FSDP1 need the whole model materialised before
+       wrapping (DDP broadcasts it, FSDP1 flattens it and cannot run our model-level init per unit).
 
     ``device`` defaults to ``training.device`` resolved for this process (cuda:LOCAL_RANK or cpu).
     ``compile_backend``: see ``apply_compile`` (tests use a cheaper backend with the same partitioner).
@@ -66,15 +65,10 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     mesh = parallel_dims.build_mesh(device)
     kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"
     param_dtype = resolve_param_dtype(pc.param_dtype, job_config.training.mixed_precision, device)
-    if kind == "fsdp2" and device.type != "cpu":
-        apply_fsdp2(model, mesh, pc, param_dtype, device)
-        # CPU offload keeps the sharded parameters in host memory; the RoPE buffers still live on the GPU.
-        materialize(model, torch.device("cpu") if pc.fsdp_cpu_offload else device, buffer_device=device)
-    elif kind == "fsdp2":
-        # DTensor has no sharding-aware RNG on CPU meshes: initialising shards would give every rank the same
-        # values (duplicated rows). CPU models are small, so initialise in full (as one process would), then shard.
-        materialize(model, device)
-        apply_fsdp2(model, mesh, pc, param_dtype, device)
+    if kind == "fsdp2":
+        # Each unit is initialised in full and sharded at once: the weights one process would have, at the
+        # memory cost of one unit. CPU offload moves the shards to host memory after they are initialised.
+        apply_fsdp2(model, mesh, pc, param_dtype, device, materialize_on=device)
     else:
         materialize(model, device)
         if kind == "fsdp1":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,13 +74,33 @@ class NSATransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """(Re)initialise every parameter and buffer in place: works after ``to_empty`` from meta."""
+        """(Re)initialise every parameter and buffer in place: works after ``to_empty`` from meta.
+
+        The order of the random calls is part of the contract: ``parallelize_nsa`` initialises FSDP2 units one
+        at a time in this same order, so every parallelism starts from the weights one process would have.
+        """
+        self.init_buffers(buffer_device)
+        for _unit, init in self.init_units():
+            init()
+
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """The RoPE tables (not parameters: never sharded, never checkpointed)."""
         device = buffer_device or self.rope_cos.device
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
+
+    def init_units(self) -> list[tuple[nn.Module | list[nn.Module], Callable[[], None]]]:
+        """(module(s), initialiser) in initialisation order: the embedding, each block, [final norm + output]."""
+        return [(self.tok_embeddings, self._init_embedding),
+                *((block, block.init_weights) for block in self.layers.values()),
+                ([self.norm, self.output], self._init_head)]
+
+    @torch.no_grad()
+    def _init_embedding(self) -> None:
         nn.init.normal_(self.tok_embeddings.weight)
-        for block in self.layers.values():
-            block.init_weights()
+
+    @torch.no_grad()
+    def _init_head(self) -> None:
         self.norm.reset_parameters()
         bound = 3 * self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound)
