@@ -17,7 +17,7 @@ from nsa_titan.parallelisms.parallel_dims import ParallelDims
 def materialize(model: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
     """Allocate a meta model's storage on ``device`` and initialise it (``to_empty`` + ``init_weights``).
 
-    On an FSDP2 model the parameters are DTensors, so each rank allocates and initialises only its shard.
+    For an unwrapped, DDP or FSDP1 model; FSDP2 materialises unit by unit inside ``apply_fsdp2``.
     """
     model.to_empty(device=device)
     with torch.no_grad():
