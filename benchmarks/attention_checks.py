@@ -1,0 +1,145 @@
+"""Correctness half of bench_attention.py: the NSA Triton kernels' outputs and gradients on bf16 inputs against a
+float64 computation of the spec (reference.py's rules), done in query chunks so that 64k context fits.
+
+The selected branch of the float64 side uses the kernel's own block indices (a near-tie may legitimately flip
+between bf16 and float64); the selection itself is checked separately: in float64, no unchosen candidate may
+beat a chosen free block by more than a small tolerance. GPU only (``DEV``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nsa_titan.kernels import nsa_attention
+from nsa_titan.models.nsa.torch_impl import overlap_weights
+
+DEV = "cuda"
+
+
+def make_inputs(B, T, HQ, HKV, DK, DV, p, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    tc = p.num_cmp_tokens(T)
+
+    def r(*s):
+        return torch.randn(*s, device=DEV, generator=g, dtype=torch.float32).to(dtype)
+
+    return [r(B, T, HQ, DK), r(B, tc, HKV, DK), r(B, tc, HKV, DV), r(B, T, HKV, DK), r(B, T, HKV, DV),
+            r(B, T, HKV, DK), r(B, T, HKV, DV), torch.rand(B, T, HQ, 3, device=DEV, generator=g)]
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B,C,HQ,D] float64, k/v [B,S,HKV,D], mask [B or 1, HKV or 1, C, S] -> [B,C,HQ,Dv] (0 where empty)."""
+    B, C, HQ, _ = q.shape
+    HKV = k.shape[2]
+    qh = q.view(B, C, HKV, HQ // HKV, -1).permute(0, 2, 3, 1, 4)  # [B,HKV,G,C,D]
+    s = torch.einsum("bhgcd,bshd->bhgcs", qh, k) * scale
+    s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(s - m)
+    den = w.sum(-1, keepdim=True)
+    pr = w / torch.where(den > 0, den, torch.ones_like(den))
+    o = torch.einsum("bhgcs,bshd->bhgcd", pr, v)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, -1), pr
+
+
+def chunked_reference(ins, idx, dout, p, chunk):
+    """Float64 outputs and gradients of the spec (with the given block indices), query chunk by chunk."""
+    xs = [x.detach().double().requires_grad_(True) for x in ins]
+    q, kc, vc, ks, vs, kw, vw, gates = xs
+    B, T, HQ, DK = q.shape
+    HKV = ks.shape[2]
+    scale = DK**-0.5
+    nb = p.num_slc_blocks(T)
+    tc = kc.shape[1]
+    w_ov = overlap_weights(T, p, q.device, torch.float64)  # [Tc, Nb]
+    outs, worst_gap, same_rows = [], 0.0, 0
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        tt = torch.arange(t0, t1, device=q.device)
+        qc = q[:, t0:t1]
+        if tc:
+            vis = (torch.arange(tc, device=q.device)[None, :] * p.cmp_stride + p.cmp_block - 1 <= tt[:, None])
+            o_c, pr = _attend(qc, kc, vc, vis[None, None], scale)
+            # Selection check in float64: importance of each block, summed over the group's heads.
+            with torch.no_grad():
+                imp = pr.sum(2) @ w_ov  # [B,HKV,C,Nb]
+                sel = torch.zeros(B, HKV, t1 - t0, nb + 1, dtype=torch.bool, device=q.device)
+                my = idx[:, :, t0:t1]
+                sel.scatter_(-1, torch.where(my < 0, nb, my), True)
+                sel = sel[..., :nb]
+                j = torch.arange(nb, device=q.device)
+                cur = (tt // p.slc_block)[:, None]
+                forced = (j == 0) | (j == cur) | (j == cur - 1)
+                cand = j * p.slc_block <= tt[:, None]
+                free_min = torch.where(sel & ~forced, imp, float("inf")).amin(-1)
+                other_max = torch.where(~sel & cand, imp, float("-inf")).amax(-1)
+                gap = (other_max - free_min).clamp_min(0) / imp.amax(-1).clamp_min(1e-30)
+                worst_gap = max(worst_gap, float(gap.max()))
+                ref_key = torch.where(forced & cand, float("inf"), torch.where(cand, imp, float("-inf")))
+                if nb < p.slc_top_n:
+                    ref_key = F.pad(ref_key, (0, p.slc_top_n - nb), value=float("-inf"))
+                top = torch.sort(ref_key, dim=-1, descending=True, stable=True)
+                ref_idx = torch.where(top.values[..., : p.slc_top_n] > float("-inf"),
+                                      top.indices[..., : p.slc_top_n], -1)
+                same_rows += int((torch.sort(ref_idx, -1).values == torch.sort(my, -1).values).all(-1).sum())
+        else:
+            o_c = torch.zeros(B, t1 - t0, HQ, vc.shape[-1], device=q.device, dtype=torch.float64)
+        s_ar = torch.arange(T, device=q.device)
+        causal = s_ar[None, :] <= tt[:, None]
+        blk_sel = torch.zeros(B, HKV, t1 - t0, nb + 1, dtype=torch.bool, device=q.device)
+        my = idx[:, :, t0:t1]
+        blk_sel.scatter_(-1, torch.where(my < 0, nb, my), True)
+        m_s = blk_sel[..., s_ar // p.slc_block] & causal
+        o_s, _ = _attend(qc, ks, vs, m_s, scale)
+        m_w = causal & (s_ar[None, :] > tt[:, None] - p.window)
+        o_w, _ = _attend(qc, kw, vw, m_w[None, None], scale)
+        g = gates[:, t0:t1].unsqueeze(-1)
+        o = g[..., 0, :] * o_c + g[..., 1, :] * o_s + g[..., 2, :] * o_w
+        o.backward(dout[:, t0:t1].double())
+        outs.append(o.detach())
+    rows = B * HKV * T
+    return torch.cat(outs, 1), [x.grad for x in xs], worst_gap, same_rows / rows
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check(cases):
+    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    results = []
+    for case in cases:
+        try:
+            results.append(check_one(*case, names))
+        except Exception as e:  # keep going: one failing shape must not hide the others
+            print(f"check {case[:6]} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            results.append(dict(B=case[0], T=case[1], HQ=case[2], HKV=case[3], DK=case[4], DV=case[5], ok=False,
+                                worst=float("nan"), deterministic=False, sel_max_gap=float("nan"),
+                                sel_same_rows=0.0, error=str(e)[:400]))
+        torch.cuda.empty_cache()
+    return results
+
+
+def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names):
+    ins = make_inputs(B, T, HQ, HKV, DK, DV, p, seed=T + HQ)
+    xs = [x.detach().requires_grad_(True) for x in ins]
+    dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+    out, idx = nsa_attention(*xs, p)
+    out.backward(dout)
+    grads = [x.grad for x in xs]
+    xs2 = [x.detach().requires_grad_(True) for x in ins]
+    out2, _ = nsa_attention(*xs2, p)
+    out2.backward(dout)
+    determ = all(torch.equal(a, b.grad) for a, b in zip(grads, xs2))
+    ref, rgrads, gap, same = chunked_reference(ins, idx, dout, p, chunk)
+    errs = {"out": rel(out, ref)}
+    errs.update({"d" + n: rel(g, r) for n, g, r in zip(names, grads, rgrads)})
+    finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(out).all())
+    ok = max(errs.values()) < 1e-2 and finite and determ and gap < 1e-2
+    row = dict(B=B, T=T, HQ=HQ, HKV=HKV, DK=DK, DV=DV, ok=ok, worst=max(errs.values()), errs=errs,
+               deterministic=determ, sel_max_gap=gap, sel_same_rows=same)
+    print(f"check B={B} T={T} HQ={HQ} HKV={HKV} Dk={DK} Dv={DV}: ok={ok} worst={row['worst']:.2e} "
+          f"det={determ} sel_gap={gap:.1e} sel_same={same:.4f}", flush=True)
+    return row
