@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
@@ -137,6 +138,35 @@ def kv_bytes(args, variant: str, positions: list[int], batch: int, esize: int) -
             "compress_bytes_per_step": per_token * compress * args.n_layers}
 
 
+_METADATA_OPS = (torch.ops.aten._unsafe_view.default,)  # a view that its schema does not declare as one
+
+
+class _ComputeOpCounter(TorchDispatchMode):
+    """Counts the aten ops of a step that compute or write (a view or a metadata query launches no kernel):
+    on a GPU each is at least one kernel, so this count bounds a CUDA-graph replay from below on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        rets = func._schema.returns
+        is_view = rets[0].alias_info is not None and not rets[0].alias_info.is_write if rets else True
+        returns_tensor = bool(rets) and str(rets[0].type) in ("Tensor", "Tensor[]")
+        if returns_tensor and not is_view and func not in _METADATA_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def compute_ops_per_step(steps: list) -> float:
+    """Mean compute ops per step over the cyclic positions (the compression, every d steps, averaged in)."""
+    counter = _ComputeOpCounter()
+    with counter:
+        for s in steps:
+            s()
+    return counter.count / len(steps)
+
+
 def sync_check(step) -> str:
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -171,6 +201,7 @@ def run(ns) -> dict:
                     if mode == "attention":
                         row = {k: (v / args.n_layers if k.endswith("bytes_per_step") else v) for k, v in row.items()}
                     row["eager_ms"] = time_steps(steps, ns.iters, device)
+                    row["compute_ops"] = compute_ops_per_step(steps)
                     if device.type == "cuda" and not ns.no_graphs:
                         try:
                             row["graph_ms"] = time_steps(graphed(steps), ns.iters, device)
@@ -200,10 +231,11 @@ def run(ns) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# Decode speed: NSA vs dense ({res['flavor']}, {res['dtype']})", "",
              f"{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['date']}. Median ms per decode "
-             "step (one token per row); graph = CUDA-graph replay; KV MB = K/V bytes read per step.", ""]
+             "step (one token per row); graph = CUDA-graph replay; KV MB = K/V bytes read per step; ops = aten "
+             "ops per step that compute or write (each at least one GPU kernel).", ""]
     lines += [f"- {n}" for n in res["notes"]] + [""]
     lines += ["| mode | batch | context | dense eager ms | NSA eager ms | speedup | dense graph ms | NSA graph ms "
-              "| speedup | dense KV MB | NSA KV MB |", "|---" * 11 + "|"]
+              "| speedup | dense KV MB | NSA KV MB | dense ops | NSA ops |", "|---" * 13 + "|"]
     nsa = [r for r in res["rows"] if r["variant"] == "nsa"]
     for r in nsa:
         dense = next((x for x in res["rows"] if x["variant"] == "dense"
@@ -212,7 +244,8 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {f(dense, 'eager_ms')} | {f(r, 'eager_ms')} "
                      f"| {f(r, 'speedup_eager', '{:.2f}x')} | {f(dense, 'graph_ms')} | {f(r, 'graph_ms')} "
                      f"| {f(r, 'speedup_graph', '{:.2f}x')} | {dense.get('kv_bytes_per_step', 0) / 1e6:.1f} "
-                     f"| {r['kv_bytes_per_step'] / 1e6:.1f} |")
+                     f"| {r['kv_bytes_per_step'] / 1e6:.1f} | {f(dense, 'compute_ops', '{:.1f}')} "
+                     f"| {f(r, 'compute_ops', '{:.1f}')} |")
     return "\n".join(lines) + "\n"
 
 

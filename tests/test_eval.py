@@ -187,3 +187,6 @@ def test_gpu_scripts_smoke_run_on_cpu(tmp_path):
     rows = {(r["variant"], r["mode"]): r for r in res["rows"]}
     assert len(rows) == 4 and rows[("nsa", "model")]["kv_bytes_per_step"] < rows[("dense", "model")]["kv_bytes_per_step"]
     assert json.loads((tmp_path / "d.json").read_text())["torch"] == torch.__version__
+    assert all(r["compute_ops"] > 0 for r in rows.values())
+    # The op counter counts what computes or writes (ones, add, mul_), never views (view, t, reshape).
+    assert bench.compute_ops_per_step([lambda: torch.ones(3).view(3, 1).t().add(1).reshape(3).mul_(2)]) == 3

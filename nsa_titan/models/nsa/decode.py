@@ -102,18 +102,20 @@ def block_importance(group_probs: torch.Tensor, num_blocks: int, p: NSAParams) -
     """[B, HKV, C] group-summed compressed probabilities -> importance of blocks 0 .. num_blocks-1.
 
     Eq. 9 as in training: block j gets sum_i p[i] * |[i*d, i*d + l) ∩ block j| / d. Compressed token i
-    covers sub-blocks u = i .. i + l/d - 1 of d positions and sub-block u lies in block u // (l'/d): shift
-    by each offset r, then sum groups of l'/d sub-blocks. Every visible u is < num_blocks * l'/d (it ends
-    at or before t), so the right padding is never negative.
+    covers sub-blocks u = i .. i + l/d - 1 of d positions and sub-block u lies in block u // (l'/d), so
+    sub-block u collects S[u] = sum_{r < l/d} p[u - r]: pad p once with l/d - 1 zeros on the left, add the
+    l/d shifted windows, then sum groups of l'/d sub-blocks. Every visible u is < num_blocks * l'/d (it
+    ends at or before t), so the right padding is never negative. Few kernels: decode runs this every step.
     """
     b, h, c = group_probs.shape
     subs = p.slc_block // p.cmp_stride
     width = num_blocks * subs
-    imp = group_probs.new_zeros(b, h, num_blocks)
-    for r in range(p.cmp_block // p.cmp_stride):
-        shifted = F.pad(group_probs, (r, width - c - r))
-        imp = imp + shifted.view(b, h, num_blocks, subs).sum(-1)
-    return imp
+    taps = p.cmp_block // p.cmp_stride
+    padded = F.pad(group_probs, (taps - 1, width - c))  # padded[u + taps - 1] = p[u]
+    per_sub = padded[..., taps - 1:]
+    for r in range(1, taps):  # the l/d offsets of a compression block (2 at paper sizes: one add)
+        per_sub = per_sub + padded[..., taps - 1 - r: taps - 1 - r + width]
+    return per_sub.reshape(b, h, num_blocks, subs).sum(-1)
 
 
 def nsa_decode_attention(attn: NSAAttention, cache: NSALayerCache, x, cos, sin, t: int):
@@ -145,9 +147,9 @@ def nsa_decode_attention(attn: NSAAttention, cache: NSALayerCache, x, cos, sin, 
     cur_v = cache.v_slc[:, :, cur * p.slc_block: t + 1]
     k_sel = min(p.slc_top_n - 1, cur)
     if k_sel:
-        j = torch.arange(cur, device=q.device)
-        key = torch.where((j == 0) | (j == cur - 1), float("inf"), importance)
-        top = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k_sel]  # [B, HKV, k_sel]
+        importance[..., 0] = float("inf")  # forced blocks (a fresh tensor: written in place, two fills)
+        importance[..., cur - 1] = float("inf")
+        top = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :k_sel]  # [B, HKV, k_sel]
         blocks_k = cache.k_slc.unflatten(2, (-1, p.slc_block))[cache.rows, cache.heads, top]
         blocks_v = cache.v_slc.unflatten(2, (-1, p.slc_block))[cache.rows, cache.heads, top]
         cur_k = torch.cat([blocks_k.flatten(2, 3), cur_k], dim=2)
@@ -159,7 +161,8 @@ def nsa_decode_attention(attn: NSAAttention, cache: NSALayerCache, x, cos, sin, 
     o_win = F.scaled_dot_product_attention(qg, cache.k_win[:, :, :m], cache.v_win[:, :, :m])
 
     gt = gates.view(b, hkv, g, 3, 1).to(o_cmp.dtype)
-    out = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_slc.to(o_cmp.dtype) + gt[..., 2, :] * o_win.to(o_cmp.dtype)
+    out = (gt[..., 0, :] * o_cmp).addcmul_(gt[..., 1, :], o_slc.to(o_cmp.dtype)).addcmul_(gt[..., 2, :],
+                                                                                       o_win.to(o_cmp.dtype))
     out = attn.wo(out.to(x.dtype).reshape(b, 1, attn.n_heads * attn.v_head_dim))
     reads = {"cmp": nc, "slc": cur_k.shape[2], "win": m, "compress": compress_reads}
     return out, reads
