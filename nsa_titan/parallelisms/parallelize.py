@@ -14,14 +14,14 @@ from nsa_titan.parallelisms.data_parallel import apply_ddp, apply_fsdp1, apply_f
 from nsa_titan.parallelisms.parallel_dims import ParallelDims
 
 
-def materialize(model: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate a meta model's storage on ``device`` and initialise it (``to_empty`` + ``init_weights``).
 
     For an unwrapped, DDP or FSDP1 model; FSDP2 materialises unit by unit inside ``apply_fsdp2``.
     """
     model.to_empty(device=device)
     with torch.no_grad():
-        model.init_weights(buffer_device=buffer_device or device)
+        model.init_weights(buffer_device=device)
 
 
 def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
