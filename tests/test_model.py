@@ -147,3 +147,24 @@ def test_flavors_and_validation_errors():
     with pytest.raises(ValueError, match="max_seq_len"):
         get_model_args("debug").validate(seq_len=4096)
     assert get_model_args("debug") is not get_model_args("debug")  # callers get their own copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_the_rotate_half_formula_bit_for_bit(dtype):
+    """apply_rope's 4-kernel form == (x1 cos - x2 sin, x2 cos + x1 sin) at angle position / theta^(2i/D),
+    exactly; and rotating by position p preserves dot products between two rotated vectors up to p_q - p_k."""
+    from nsa_titan.models.nsa.attention import apply_rope, rope_tables
+
+    t, d, theta = 70, 32, 10000.0
+    cos, sin_signed = rope_tables(d, t, theta)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
+    c, s = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x = torch.randn(2, t, 3, d).to(dtype)
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin_signed), want)
+    q, k = torch.randn(1, 1, 1, d).expand(1, t, 1, d), torch.randn(1, 1, 1, d).expand(1, t, 1, d)
+    rq, rk = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+    dots = (rq[0, 10:] * rk[0, :-10]).sum(-1)  # every pair 10 positions apart: the same relative rotation
+    assert torch.allclose(dots, dots[0].expand_as(dots), atol=1e-4)

@@ -9,14 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa_titan.models.nsa.args import NSAModelArgs
-from nsa_titan.models.nsa.attention import DenseAttention, NSAAttention
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
-    """cos/sin [max_seq_len, head_dim / 2] in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+from nsa_titan.models.nsa.attention import DenseAttention, NSAAttention, rope_tables
 
 
 class FeedForward(nn.Module):
