@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_titan.experiments.common import (
-    REPO, child_env, environment_of, fmt, launch_command, md_table, save_plot, visible_gpus, write_report,
+    REPO, child_env, environment_of, fmt, launch_command, md_table, visible_gpus, write_report,
 )
 
 
@@ -268,12 +268,9 @@ def write_plan_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dic
         ax.legend()
         ax.grid(alpha=0.3)
 
-    note = save_plot(out / f"{stem}.png", draw)
-    if note:
-        lines += ["", note]
     result = {"experiment": "ac_plan", "tag": tag, **meta, "rows": rows,
               "recommendations": {str(g): describe(r) for g, r in best.items()}}
-    write_report(out, stem, result, lines)
+    write_report(out, stem, result, lines, draw)
     return result
 
 

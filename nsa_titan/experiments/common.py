@@ -201,9 +201,14 @@ def draw_speed_and_memory(plt, rows: list[dict[str, Any]], labels: list[str], co
     fig.suptitle(suptitle)
 
 
-def write_report(out: Path, stem: str, result: dict[str, Any], md_lines: list[str]) -> dict[str, Path]:
+def write_report(out: Path, stem: str, result: dict[str, Any], md_lines: list[str],
+                 draw: Callable[[Any], None] | None = None) -> dict[str, Path]:
+    """``stem``.json, ``stem``.md and, given ``draw``, ``stem``.png (or a line in the markdown saying why not)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
+    if draw is not None:
+        note = save_plot(out / f"{stem}.png", draw)
+        md_lines = [*md_lines, "", note] if note else md_lines
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
     paths["md"].write_text("\n".join(md_lines) + "\n")
     return paths

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_titan.experiments.common import (
-    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, save_plot, write_report,
+    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, write_report,
 )
 
 MFU_TARGET = 0.40
@@ -95,12 +95,9 @@ def write_compile_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: 
         draw_speed_and_memory(plt, ok, labels, colors, "tokens_per_s", "tokens/s (1 GPU)",
                               f"{tag}: eager (blue) vs torch.compile (orange)")
 
-    note = save_plot(out / f"{stem}.png", draw)
-    if note:
-        lines += ["", note]
     result = {"experiment": "compile", "tag": tag, **meta, **env, "rows": rows, "targets": targets(rows),
               "pending": pending}
-    write_report(out, stem, result, lines)
+    write_report(out, stem, result, lines, draw)
     return result
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_titan.experiments.common import (
-    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, save_plot, visible_gpus,
+    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, visible_gpus,
     write_report,
 )
 
@@ -90,12 +90,9 @@ def write_dp_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[
         draw_speed_and_memory(plt, ok, labels, [ac_color[r["ac"]] for r in ok], "tokens_per_s_per_gpu",
                               "tokens/s per GPU", f"{tag}: data-parallel wrappers")
 
-    note = save_plot(out / f"{stem}.png", draw)
-    if note:
-        lines += ["", note]
     result = {"experiment": "dp_compare", "tag": tag, **meta, **env, "rows": rows, "targets": targets(rows),
               "pending": pending}
-    write_report(out, stem, result, lines)
+    write_report(out, stem, result, lines, draw)
     return result
 
 
