@@ -38,15 +38,15 @@ def _reshard_policy(value: Any) -> tuple[bool | int, bool]:
     return int(value), False  # reshard to a smaller world (e.g. within a node): an int divisor of dp_shard
 
 
-def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype, device: torch.device,
-                materialize_on: torch.device | None = None) -> None:
-    """fully_shard per unit (see module docstring). HSDP when ``mesh`` is 2-D (replicate x shard).
+def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype, device: torch.device) -> None:
+    """fully_shard per unit (see module docstring) of a meta model. HSDP when ``mesh`` is 2-D (replicate x shard).
 
-    ``materialize_on``: for a meta model, allocate and initialise each unit in full on this device just before
-    sharding it. Every rank then draws the same random numbers in the same order as one process would (the
-    same seed gives the same model under every parallelism and world size), while no rank ever holds more
-    than one unit unsharded. (Initialising the sharded DTensors instead would draw from DTensor's own RNG:
-    other values than one process's on GPUs, and the same rows on every rank of a CPU mesh.)
+    Each unit is allocated and initialised in full on ``device`` just before it is sharded. Every rank then
+    draws the same random numbers in the same order as one process would (the same seed gives the same model
+    under every parallelism and world size), while no rank ever holds more than one unit unsharded.
+    (Initialising the sharded DTensors instead would draw from DTensor's own RNG: other values than one
+    process's on GPUs, and the same rows on every rank of a CPU mesh.) CPU offload moves each shard to host
+    memory as it is made.
     """
     # cast_forward_inputs=False: blocks receive the fp32 RoPE tables, which a bf16 cast would coarsen (the
     # activations are already in the compute dtype; autocast handles the rest, as with one GPU).
@@ -59,15 +59,13 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
     units = model.init_units()  # the embedding, each block, [norm + output]: FSDP's units, in init order
     blocks = list(model.layers.values())
     for i, (unit, init) in enumerate(units):
-        if materialize_on is not None:
-            for module in unit if isinstance(unit, list) else [unit]:
-                module.to_empty(device=materialize_on)
-            with torch.no_grad():
-                init()
+        for module in unit if isinstance(unit, list) else [unit]:
+            module.to_empty(device=device)
+        with torch.no_grad():
+            init()
         last = i == len(units) - 1
         fully_shard(unit, reshard_after_forward=last_reshard if last else blocks_reshard, **common)
-    if materialize_on is not None:
-        model.init_buffers(materialize_on)  # RoPE tables: the root's only state, computed (not random)
+    model.init_buffers(device)  # RoPE tables: the root's only state, computed (not random)
     # The root's own parameters (none today) are needed through the whole step: never reshard them.
     fully_shard(model, reshard_after_forward=False, **common)
 

@@ -66,9 +66,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"
     param_dtype = resolve_param_dtype(pc.param_dtype, job_config.training.mixed_precision, device)
     if kind == "fsdp2":
-        # Each unit is initialised in full and sharded at once: the weights one process would have, at the
-        # memory cost of one unit. CPU offload moves the shards to host memory after they are initialised.
-        apply_fsdp2(model, mesh, pc, param_dtype, device, materialize_on=device)
+        apply_fsdp2(model, mesh, pc, param_dtype, device)  # materialises unit by unit as it shards
     else:
         materialize(model, device)
         if kind == "fsdp1":
