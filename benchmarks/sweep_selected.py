@@ -1,0 +1,110 @@
+"""Launch-shape sweep of the selected-attention forward and dQ kernels, per config and sequence length.
+
+    python benchmarks/sweep_selected.py --configs paper,1b,m7c,qwen7b --ts 8192,32768 [--batch 1] [--out DIR]
+
+For each (config, T): random bf16 inputs, block indices from the real selection kernel, then every variant of
+``VARIANTS`` timed (median of triton.testing.do_bench) for sel_fwd, sel_dq (the dQ kernel) and sel_dkdv,
+with outputs checked against the first variant (bf16 rounding only). ``rows`` sets the query tile: BT = rows /
+next_pow2(G) tokens per program; rows = next_pow2(G) is one token per program (the paper's group-centric
+kernel). Prints the best per kernel and the |union| / n statistic of the tiles; writes
+sweep_selected_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention_checks import make_inputs, rel  # noqa: E402
+from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
+
+from nsa_titan.components.runtime import device_name  # noqa: E402
+from nsa_titan.kernels import band, select, selected  # noqa: E402
+
+
+def _v(rows, NPI=2, w=4, st=2):
+    return dict(rows=rows, NPI=NPI, num_warps=w, num_stages=st)
+
+
+VARIANTS = {  # first = the default of selected._cfg on the GPU
+    "sel_fwd": [_v(64), _v(16), _v(32), _v(128, w=8), _v(64, st=3), _v(64, NPI=1, st=3), _v(64, w=8),
+                _v(128, w=4)],
+    "sel_dq": [_v(64), _v(16), _v(32), _v(128, w=8), _v(64, st=3), _v(64, NPI=1, st=3), _v(64, w=8)],
+    "sel_dkdv": [dict(rows=64, num_warps=4, num_stages=2), dict(rows=128, num_warps=8, num_stages=2),
+                 dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
+}
+
+
+def case(name: str, T: int, B: int) -> dict:
+    from triton.testing import do_bench
+
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    p = PAPER_P
+    q, kc, vc, ks, vs, _, _, _ = make_inputs(B, T, HQ, HKV, DK, DV, p)
+    _, lse_c = band.band_fwd(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
+    idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+    o, lse = selected.sel_fwd(q, ks, vs, idx, p.slc_block)
+    do = torch.randn_like(o)
+    G = HQ // HKV
+    jobs = {
+        "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
+        "sel_dq": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
+        "sel_dkdv": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
+    }
+    out = dict(config=name, T=T, B=B, G=G)
+    for bt in (1, 2, 4, 8, 16):
+        union, count = selected.tile_union(idx, bt)
+        out[f"union_over_n_bt{bt}"] = round(count.float().mean().item() / p.slc_top_n, 3)
+    for kname, fn in jobs.items():
+        ref = fn(VARIANTS[kname][0])
+        res = []
+        for c in VARIANTS[kname]:
+            try:
+                got = fn(c)
+                same = all(rel(a, b) < 1e-2 for a, b in zip(got, ref))
+                ms = do_bench(lambda: fn(c), warmup=10, rep=50, return_mode="median")  # noqa: B023
+                res.append(dict(cfg=c, ms=round(ms, 4), same=same))
+            except Exception as e:  # a shape that does not fit shared memory: record and go on
+                res.append(dict(cfg=c, error=f"{type(e).__name__}: {str(e)[:120]}"))
+        out[kname] = res
+        ok = [r for r in res if "ms" in r and r["same"]]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
+              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('rows')}/{r['cfg'].get('NPI', '-')}/"
+                                                          f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
+                                                          f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
+                                                          for r in res), flush=True)
+    print(json.dumps({k: v for k, v in out.items() if k.startswith("union")}), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="paper,1b,m7c,qwen7b")
+    ap.add_argument("--ts", default="8192,32768")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args()
+    import triton
+
+    payload = dict(device=device_name(torch.device("cuda")), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), cases=[])
+    for name in a.configs.split(","):
+        for T in (int(t) for t in a.ts.split(",")):
+            payload["cases"].append(case(name, T, a.batch))
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep_selected_" + payload["device"].replace(" ", "_") + ".json"), "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
