@@ -3,10 +3,9 @@
     python benchmarks/sweep_selected.py --configs paper,1b,m7c,qwen7b --ts 8192,32768 [--batch 1] [--out DIR]
 
 For each (config, T): random bf16 inputs, block indices from the real selection kernel, then every variant of
-``VARIANTS`` timed (median of triton.testing.do_bench) for sel_fwd, sel_dq (the dQ kernel) and sel_dkdv,
-with outputs checked against the first variant (bf16 rounding only). ``rows`` sets the query tile: BT = rows /
-next_pow2(G) tokens per program; rows = next_pow2(G) is one token per program (the paper's group-centric
-kernel). Prints the best per kernel and the |union| / n statistic of the tiles; writes
+``VARIANTS`` timed (median of triton.testing.do_bench) for sel_fwd, the whole backward with each dQ variant
+(sel_dq) and with each dK/dV variant (sel_dkdv), outputs checked against the first variant (bf16 rounding
+only). Also prints |union| / n of tiles of BT consecutive tokens (see selection_overlap.py). Writes
 sweep_selected_<device>.json.
 """
 
@@ -25,20 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_checks import make_inputs, rel  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
+from selection_overlap import TILES, union_ratio  # noqa: E402
 
 from nsa_titan.components.runtime import device_name  # noqa: E402
 from nsa_titan.kernels import band, select, selected  # noqa: E402
 
 
-def _v(rows, NPI=2, w=4, st=2):
-    return dict(rows=rows, NPI=NPI, num_warps=w, num_stages=st)
+def _v(NPI=2, w=4, st=2):
+    return dict(NPI=NPI, num_warps=w, num_stages=st)
 
 
-VARIANTS = {  # first = the default of selected._cfg on the GPU
-    "sel_fwd": [_v(64), _v(16), _v(32), _v(128, w=8), _v(64, st=3), _v(64, NPI=1, st=3), _v(64, w=8),
-                _v(128, w=4)],
-    "sel_dq": [_v(64), _v(16), _v(32), _v(128, w=8), _v(64, st=3), _v(64, NPI=1, st=3), _v(64, w=8)],
-    "sel_dkdv": [dict(rows=64, num_warps=4, num_stages=2), dict(rows=128, num_warps=8, num_stages=2),
+VARIANTS = {  # first = the default of selected._cfg on the GPU for head dims <= 128
+    "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3)],
+    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2)],
+    "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
 }
 
@@ -60,9 +59,8 @@ def case(name: str, T: int, B: int) -> dict:
         "sel_dkdv": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
     }
     out = dict(config=name, T=T, B=B, G=G)
-    for bt in (1, 2, 4, 8, 16):
-        union, count = selected.tile_union(idx, bt)
-        out[f"union_over_n_bt{bt}"] = round(count.float().mean().item() / p.slc_top_n, 3)
+    for bt in TILES:
+        out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
     for kname, fn in jobs.items():
         ref = fn(VARIANTS[kname][0])
         res = []
@@ -78,7 +76,7 @@ def case(name: str, T: int, B: int) -> dict:
         ok = [r for r in res if "ms" in r and r["same"]]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
-              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('rows')}/{r['cfg'].get('NPI', '-')}/"
+              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
                                                           f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
                                                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
                                                           for r in res), flush=True)

@@ -1,15 +1,8 @@
-"""Selected-block attention in Triton: query tiles over the union of their blocks, block-centric dK/dV.
+"""Selected-block attention in Triton, group-centric (the paper's kernel shape).
 
-Forward and dQ: one program per tile of BT consecutive tokens of one (batch, KV head), with all G query heads
-of each token as rows (BT * next_pow2(G) rows, 64 by default: one warpgroup MMA). The program walks the
-union of the blocks its tokens selected (``tile_union``: sorted, deduplicated, computed once per call with
-two sorts) and loads each K/V block once for the whole tile; a row sees a block's keys only if its own token
-chose that block (and not its future keys). Neighbouring tokens choose largely the same blocks (forced
-block 0 and local blocks, and similar importance), so the union is much smaller than BT * n: measured
-|union| / n for BT = 4 of 1.5-1.7 on trained m7c/1b models at 8k and 2.2 on random inputs
-(benchmarks/results/selection_overlap_*.json). Compared with one program per token (BT = 1, the paper's
-group-centric kernel, which pads G < 16 to 16 MMA rows), each K/V byte fetched from L2 serves ~BT times more
-rows, which is what bounded that kernel.
+Forward and dQ: one program per (token, batch, KV head) holds all G query heads of the group as the rows of
+one tile (padded to >= 16 for the MMA) and walks that token's n selected blocks; each K/V block is loaded
+once for the whole group. Keys s > t are masked, which only bites in the token's own block.
 
 dK/dV without atomics: the (block, token) pairs of block_idx are sorted by block (torch.sort on block*T + t,
 static shapes, no host sync), which gives for every block the ascending list of tokens that selected it and
@@ -28,71 +21,35 @@ import triton.language as tl
 from nsa_titan.kernels.band import LOG2E, TUNED
 from nsa_titan.kernels.combine import pow2, rowdot
 
-MAX_TILE_TOKENS = 16  # tokens per forward/dQ query tile (small G would otherwise take very long unions)
-
 
 @triton.jit
-def _tile_rows(pid_m, pid_bh, IDX, T, G, HKV, BT: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr,
-               NSEL: tl.constexpr, NP: tl.constexpr):
-    """Rows of a query tile (BT tokens x GP heads, padded to ROWS) and each row's own selected blocks."""
-    r = tl.arange(0, ROWS)
-    tok = r // GP
-    t = pid_m * BT + tok
-    g = r % GP
-    row_ok = (tok < BT) & (t < T) & (g < G)
-    kv = pid_bh % HKV
-    b = (pid_bh // HKV).to(tl.int64)
-    j = tl.arange(0, NP)
-    own = tl.load(IDX + ((b * HKV + kv) * T + t[:, None]) * NSEL + j[None, :],
-                  mask=row_ok[:, None] & (j[None, :] < NSEL), other=-1)  # [ROWS, NP]
-    return t, kv * G + g, row_ok, own
-
-
-@triton.jit
-def _union_step(UB, ub_base, i0, cnt, own, t, c, T, LP: tl.constexpr, BS: tl.constexpr, NPI: tl.constexpr,
-                ROWS: tl.constexpr):
-    """NPI blocks of the tile's union: key positions [NPI*BS], their load mask, and the [ROWS, NPI*BS]
-    visibility (the row's token chose that block, and the key is not in its future)."""
-    slot = i0 + c // BS
-    blk = tl.load(UB + ub_base + slot, mask=slot < cnt, other=-1)
-    s_pos = blk * LP + c % BS
-    kmask = (c % BS < LP) & (blk >= 0) & (s_pos < T)
-    jj = tl.arange(0, NPI)
-    u_step = tl.load(UB + ub_base + i0 + jj, mask=i0 + jj < cnt, other=-2)  # -2 matches no row's block
-    chose = tl.zeros([ROWS, NPI * BS], tl.int32)
-    for j in tl.static_range(NPI):
-        u = tl.sum(tl.where(jj == j, u_step, 0))
-        has = tl.max((own == u).to(tl.int32), 1)  # [ROWS]: 1 if the row's token chose union block j
-        chose += has[:, None] * (c[None, :] // BS == j).to(tl.int32)
-    vis = (chose > 0) & (s_pos[None, :] <= t[:, None]) & kmask[None, :]
-    return s_pos, kmask, vis
-
-
-@triton.jit
-def _sel_fwd(Q, K, V, IDX, UB, UC, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-             T, NT, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
-             NPI: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, E: tl.constexpr,
-             DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+             T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
+             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok, own = _tile_rows(pid_m, pid_bh, IDX, T, G, HKV, BT, GP, ROWS, NSEL, NP)
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    m_i = tl.full([ROWS], -1e30, tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DVP], tl.float32)
-    tile = pid_bh.to(tl.int64) * NT + pid_m
-    cnt = tl.load(UC + tile)
-    c = tl.arange(0, NPI * BS)  # NPI union blocks per step: key c is position c % BS of union slot c // BS
-    for i0 in range(0, cnt, NPI):
-        s_pos, kmask, vis = _union_step(UB, tile * E, i0, cnt, own, t, c, T, LP, BS, NPI, ROWS)
+    m_i = tl.full([GR], -1e30, tl.float32)
+    l_i = tl.zeros([GR], tl.float32)
+    acc = tl.zeros([GR, DVP], tl.float32)
+    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, NSEL, NPI):
+        slot = n0 + c // BS
+        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
+        s_pos = blk * LP + c % BS
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
         k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
                     mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -101,44 +58,47 @@ def _sel_fwd(Q, K, V, IDX, UB, UC, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, sv
         m_i = m_new
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + b * sob + t * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < DV))
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
 @triton.jit
-def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, UB, UC, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                T, NT, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
-                NP: tl.constexpr, NPI: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr,
-                E: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
+                GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
     """DO and DQ are contiguous [B, T, HQ, D]."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok, own = _tile_rows(pid_m, pid_bh, IDX, T, G, HKV, BT, GP, ROWS, NSEL, NP)
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    row = (b * T + t) * (HKV * G) + h
-    do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-    dq = tl.zeros([ROWS, DKP], tl.float32)
-    tile = pid_bh.to(tl.int64) * NT + pid_m
-    cnt = tl.load(UC + tile)
-    c = tl.arange(0, NPI * BS)
-    for i0 in range(0, cnt, NPI):
-        s_pos, kmask, vis = _union_step(UB, tile * E, i0, cnt, own, t, c, T, LP, BS, NPI, ROWS)
+    do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    dq = tl.zeros([GR, DKP], tl.float32)
+    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, NSEL, NPI):
+        slot = n0 + c // BS
+        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
+        s_pos = blk * LP + c % BS
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
         k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
                     mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(kmask[None, :], tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + row[:, None] * DK + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+    tl.store(DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dk[None, :] < DK))
 
 
@@ -203,8 +163,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, TOK, OFF, DK_, DV_, PK, PV,
 
 
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
-    """Launch shape: NPI (union blocks per loop step), rows (query rows per tile: forward and dQ tile BT =
-    rows // next_pow2(G) tokens; dK/dV packs that many rows of the tokens that chose a block), warps, stages.
+    """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages.
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory
@@ -212,11 +171,12 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
     dmax = max(q.shape[-1], v.shape[-1])
     if q.device.type != "cuda":
         c = dict(NPI=pow2(n), rows=64, num_warps=4, num_stages=1)
-    elif kernel == "sel_dkdv":
-        rows = 64 if dmax >= 128 else 128  # dK/dV: 64 query rows fit shared memory at D >= 128
-        c = dict(rows=rows, num_warps=8 if rows >= 128 else 4, num_stages=2)
-    else:  # 64-row query tiles: one warpgroup MMA (wgmma) per step
-        c = dict(NPI=2 if pow2(lp) <= 64 and dmax <= 128 else 1, rows=64, num_warps=4, num_stages=2)
+    else:
+        # dK/dV: 128 query rows with 8 warps (H100, benchmarks/results/sweep_selected_*: 1b 8k 2.67 vs 3.29 ms
+        # for the whole backward with 64 rows / 4 warps); past head dim 128 only 64 rows fit shared memory.
+        rows = 64 if dmax > 128 else 128
+        c = dict(NPI=2 if pow2(lp) <= 64 and dmax <= 128 else 1, rows=rows,
+                 num_warps=8 if (kernel == "sel_dkdv" and rows >= 128) else 4, num_stages=2)
     c.update(TUNED.get((kernel, pow2(G), dmax, False), {}))
     c.update(cfg or {})
     return c
@@ -229,46 +189,6 @@ def _consts(q, k, v, lp, n):
                    DVP=pow2(max(DV, 16)))
 
 
-def tile_shape(G: int, rows: int) -> tuple[int, int, int]:
-    """(BT tokens per query tile, GP = next_pow2(G) rows per token, ROWS >= 16 padded rows)."""
-    gp = pow2(G)
-    bt = max(1, min(MAX_TILE_TOKENS, rows // gp))
-    return bt, gp, max(16, pow2(bt * gp))
-
-
-def tile_union(block_idx: torch.Tensor, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks chosen by any token of each tile of ``bt`` consecutive tokens, ascending.
-
-    block_idx [B, HKV, T, n] (-1 unused) -> (union [B*HKV, NT, bt*n] int32, -1 after the last entry;
-    count [B*HKV, NT] int32), NT = ceil(T / bt). Static shapes, no host sync: two sorts per tile row.
-    """
-    B, H, T, n = block_idx.shape
-    nt = triton.cdiv(T, bt)
-    x = block_idx.reshape(B * H, T, n)
-    if nt * bt != T:
-        x = torch.nn.functional.pad(x, (0, 0, 0, nt * bt - T), value=-1)
-    big = torch.iinfo(torch.int32).max
-    x = torch.where(x >= 0, x, big).to(torch.int32).view(B * H, nt, bt * n).sort(-1).values
-    first = torch.ones_like(x, dtype=torch.bool)
-    first[..., 1:] = x[..., 1:] != x[..., :-1]
-    first &= x != big
-    union = torch.where(first, x, big).sort(-1).values
-    return torch.where(union != big, union, -1), first.sum(-1, dtype=torch.int32)
-
-
-def _tiled_launch(kernel, q, v, G, block_idx, slc_block, cfg):
-    """Query-tile launch: grid, the union of each tile's blocks, and the tile constants."""
-    B, T = q.shape[:2]
-    n = block_idx.shape[-1]
-    lc = _cfg(kernel, q, v, G, n, slc_block, cfg)
-    bt, gp, rows = tile_shape(G, lc["rows"])
-    union, count = tile_union(block_idx, bt)
-    grid = (union.shape[1], union.shape[0])
-    consts = dict(NT=union.shape[1], NP=pow2(n), NPI=lc["NPI"], BT=bt, GP=gp, ROWS=rows, E=bt * n,
-                  num_warps=lc["num_warps"], num_stages=lc["num_stages"])
-    return grid, union, count, consts
-
-
 def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
     """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
     B, T, HQ, DK = q.shape
@@ -276,10 +196,10 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
     G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    grid, union, count, tc = _tiled_launch("sel_fwd", q, v, G, block_idx, slc_block, cfg)
-    nt = tc.pop("NT")
-    _sel_fwd[grid](q, k, v, block_idx, union, count, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                   *o.stride()[:3], T, nt, G, HKV, DK**-0.5 * LOG2E, **c, **tc)
+    lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
+    _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                           *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)), NPI=lc["NPI"],
+                           **c, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     return o, lse
 
 
@@ -293,10 +213,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
-    grid, union, count, tc = _tiled_launch("sel_dq", q, v, G, block_idx, slc_block, cfg_dq)
-    nt = tc.pop("NT")
-    _sel_bwd_dq[grid](q, k, v, do, lse, delta, block_idx, union, count, dq, *strides, T, nt, G, HKV,
-                      DK**-0.5 * LOG2E, DK**-0.5, **c, **tc)
+    lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
+    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
+                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
+                              num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     # Inverse index: sort (block, token) pairs by block; unused slots sort last (key nb*T).
     nb = -(-T // slc_block)
     t_ar = torch.arange(T, device=q.device).view(1, 1, T, 1)
