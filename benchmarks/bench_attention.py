@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_titan.kernels import nsa_attention, ops, selected  # noqa: E402
+from nsa_titan.kernels import band, nsa_attention, select, selected  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -120,20 +120,21 @@ def breakdown(cfg, T):
 
     HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
     q, kc, vc, ks, vs, kw, vw, gates = make_inputs(1, T, HQ, HKV, DK, DV, p)
-    o_c, lse = ops.band_attn(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
-    idx = ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
-    o_s, lse_s = ops.sel_attn(q, ks, vs, idx, p.slc_block)
-    o_w, lse_w = ops.band_attn(q, kw, vw, 1, 0, p.window)
+    cmp_geo, win_geo = (p.cmp_stride, p.cmp_block - 1, 0), (1, 0, p.window)
+    o_c, lse = band.band_fwd(q, kc, vc, *cmp_geo)
+    idx = select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+    o_s, lse_s = selected.sel_fwd(q, ks, vs, idx, p.slc_block)
+    o_w, lse_w = band.band_fwd(q, kw, vw, *win_geo)
     do = torch.randn_like(o_c)
     fns = {
-        "cmp_fwd": lambda: ops.band_attn(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0),
-        "cmp_bwd": lambda: ops.band_attn_bwd(do, q, kc, vc, o_c, lse, p.cmp_stride, p.cmp_block - 1, 0),
-        "select": lambda: ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
-        "slc_fwd": lambda: ops.sel_attn(q, ks, vs, idx, p.slc_block),
+        "cmp_fwd": lambda: band.band_fwd(q, kc, vc, *cmp_geo),
+        "cmp_bwd": lambda: band.band_bwd(do, q, kc, vc, o_c, lse, *cmp_geo),
+        "select": lambda: select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
+        "slc_fwd": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block),
         "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(NPI=1)),
-        "slc_bwd": lambda: ops.sel_attn_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
-        "win_fwd": lambda: ops.band_attn(q, kw, vw, 1, 0, p.window),
-        "win_bwd": lambda: ops.band_attn_bwd(do, q, kw, vw, o_w, lse_w, 1, 0, p.window),
+        "slc_bwd": lambda: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
+        "win_fwd": lambda: band.band_fwd(q, kw, vw, *win_geo),
+        "win_bwd": lambda: band.band_bwd(do, q, kw, vw, o_w, lse_w, *win_geo),
     }
     out = {}
     for k, f in fns.items():

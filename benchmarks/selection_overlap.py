@@ -57,7 +57,7 @@ def layer_selections(model, tokens) -> list[torch.Tensor]:
 
 
 def random_input_ratios(args, T: int) -> dict:
-    from nsa_titan.kernels import ops
+    from nsa_titan.kernels import band, select
     from nsa_titan.models.nsa.common import NSAParams
 
     p = NSAParams.from_args(args)
@@ -65,8 +65,8 @@ def random_input_ratios(args, T: int) -> dict:
     q = torch.randn(1, T, args.n_heads, args.head_dim, device="cuda", generator=g).bfloat16()
     kc = torch.randn(1, p.num_cmp_tokens(T), args.n_kv_heads, args.head_dim, device="cuda", generator=g).bfloat16()
     vc = torch.randn_like(kc)
-    _, lse = ops.band_attn(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
-    idx = ops.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+    _, lse = band.band_fwd(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
+    idx = select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
     return {bt: union_ratio(idx, bt) for bt in TILES}
 
 

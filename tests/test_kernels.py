@@ -103,6 +103,35 @@ def _compile_check(device):
     return {"ok": bool(torch.equal(idx, ridx)) and _rel(out.detach(), ref.detach()) < 1e-6 and xs[0].grad is not None}
 
 
+def _aux_grads_check(device):
+    """The forward op's auxiliary outputs (block indices, branch outputs and LSEs) get no gradient: autograd
+    must not materialise zero gradients for them (three [B, T, HQ, Dv] tensors of peak memory)."""
+    import torch
+
+    from nsa_titan.kernels import nsa_attention, ops
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 16, 4, 24)
+    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
+    xs = [torch.randn(*s, device=device, requires_grad=True) for s in
+          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
+    gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
+    seen = []
+    backward = ops._nsa_backward
+
+    def spy(ctx, dout, *aux):
+        seen.append([a is None for a in aux])
+        return backward(ctx, dout, *aux)
+
+    ops.nsa_fwd.register_autograd(spy, setup_context=ops._nsa_setup)
+    try:
+        out, _ = nsa_attention(*xs, gates, p)
+        out.sum().backward()
+    finally:
+        ops.nsa_fwd.register_autograd(backward, setup_context=ops._nsa_setup)
+    return {"ok": seen == [[True] * 7] and xs[0].grad is not None, "seen": seen}
+
+
 def main(device: str) -> None:
     for case in CASES:
         t0 = time.time()
@@ -112,11 +141,12 @@ def main(device: str) -> None:
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
-    try:
-        res = _compile_check(device)
-    except Exception as e:
-        res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    print("RESULT " + json.dumps({"case": "compile_fullgraph", **res}), flush=True)
+    for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check)):
+        try:
+            res = check(device)
+        except Exception as e:
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print("RESULT " + json.dumps({"case": name, **res}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +167,7 @@ def verdicts():
     return found
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"

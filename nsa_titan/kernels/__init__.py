@@ -1,12 +1,10 @@
 """Triton kernels for NSA attention (CUDA; CPU only under TRITON_INTERPRET=1, for tests).
 
 Public entry point: ``nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p)`` with the
-contract of ``nsa_titan.models.nsa.torch_impl.nsa_attention``. The kernels are registered as torch
+contract of ``nsa_titan.models.nsa.torch_impl.nsa_attention``. The kernels are registered as two torch
 operators, so that torch.compile(fullgraph=True) traces through them and an activation-checkpoint policy
-can name them: ``torch.ops.nsa_titan.band_attn`` (compressed and sliding-window branches),
-``torch.ops.nsa_titan.select_blocks``, ``torch.ops.nsa_titan.sel_attn``, ``torch.ops.nsa_titan.gate_combine``
-and their ``*_bwd`` ops
-(see ``OPS``).
+can name them: ``torch.ops.nsa_titan.nsa_fwd`` (all three branches, the block selection and the gate
+combination) and ``torch.ops.nsa_titan.nsa_bwd`` (see ``OPS``).
 
 Nothing from ``nsa_titan.models`` is imported here: models/nsa/attention.py imports this package.
 Importing raises ImportError when triton is unavailable, so that the model falls back to the torch path.

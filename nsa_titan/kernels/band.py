@@ -103,8 +103,9 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb,
                  T, S, G, HKV, qk_scale, sm_scale,
                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
                  GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr):
-    """dQ per query tile. DO and DQ share Q's strides (the launcher makes them so)."""
+                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr):
+    """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
+    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
@@ -131,8 +132,10 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
-    tl.store(DQ + dq_off + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (dk[None, :] < DK))
+    dq = dq * sm_scale
+    if ACC:
+        dq += tl.load(DQ + dq_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(DQ + dq_off + dk[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
 
 
 @triton.jit
@@ -250,19 +253,23 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
 
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
-             cfg_dkdv: dict | None = None):
+             cfg_dkdv: dict | None = None, delta=None, dq_acc=None):
+    """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
+    ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     do = do.contiguous()
-    delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
+    if delta is None:
+        delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
     dims = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
                 DVP=pow2(max(DV, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     gp, bt, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
     _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, *strides, T, S, G, HKV,
-                                                DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, BK=bk, **dims, **kw)
+                                                DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, BK=bk, **dims,
+                                                ACC=dq_acc is not None, **kw)
     gp, bt, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
     nsplit = _num_splits(T, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)

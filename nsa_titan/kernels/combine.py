@@ -1,8 +1,9 @@
 """Memory-bound epilogues, one pass each over [rows = B*T*HQ, Dv]:
 
 - gate combination o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win (fp32 math, one rounding) and its backward
-  (dO_i = g_i * dOut and dg_i = sum_d dOut * o_i in one read of dOut and the three branch outputs); in eager
-  torch this was ~9 separate elementwise passes (about 25 GB at 64k paper size, fwd+bwd);
+  (dO_i = g_i * dOut, dg_i = sum_d dOut * o_i and each branch's delta_i = sum_d dO_i * o_i in one read of
+  dOut and the three branch outputs); in eager torch this was ~9 separate elementwise passes (about 25 GB at
+  64k paper size, fwd+bwd), and the three deltas were three more passes;
 - delta = rowsum(dO * O) in fp32, the softmax-backward term each branch needs, without materialising fp32
   copies of dO and O (torch's do.float() * o.float() moved ~10 GB per branch at that size).
 """
@@ -46,8 +47,10 @@ def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: t
 
 
 @triton.jit
-def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, N, D: tl.constexpr, DP: tl.constexpr,
+def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, DELTA, N, D: tl.constexpr, DP: tl.constexpr,
                  BR: tl.constexpr):
+    """dO_i = g_i * dOut (rounded to the branch dtype), dg_i = sum_d dOut * o_i, and each branch's softmax
+    term delta_i = sum_d dO_i * o_i from the rounded dO_i, exactly what rowdot(dO_i, o_i) would give."""
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, DP)
     rm = r < N
@@ -57,15 +60,21 @@ def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, N, D: tl.constexpr, DP:
     g0 = tl.load(G + r * 3, mask=rm, other=0.0).to(tl.float32)
     g1 = tl.load(G + r * 3 + 1, mask=rm, other=0.0).to(tl.float32)
     g2 = tl.load(G + r * 3 + 2, mask=rm, other=0.0).to(tl.float32)
-    tl.store(DOC + off, (g0[:, None] * dout).to(DOC.dtype.element_ty), mask=m)
-    tl.store(DOS + off, (g1[:, None] * dout).to(DOS.dtype.element_ty), mask=m)
-    tl.store(DOW + off, (g2[:, None] * dout).to(DOW.dtype.element_ty), mask=m)
+    doc = (g0[:, None] * dout).to(DOC.dtype.element_ty)
+    dos = (g1[:, None] * dout).to(DOS.dtype.element_ty)
+    dow = (g2[:, None] * dout).to(DOW.dtype.element_ty)
+    tl.store(DOC + off, doc, mask=m)
+    tl.store(DOS + off, dos, mask=m)
+    tl.store(DOW + off, dow, mask=m)
     oc = tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
     tl.store(DG + r * 3, tl.sum(dout * oc, 1), mask=rm)
+    tl.store(DELTA + r, tl.sum(doc.to(tl.float32) * oc, 1), mask=rm)
     os_ = tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
     tl.store(DG + r * 3 + 1, tl.sum(dout * os_, 1), mask=rm)
+    tl.store(DELTA + N + r, tl.sum(dos.to(tl.float32) * os_, 1), mask=rm)
     ow = tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
     tl.store(DG + r * 3 + 2, tl.sum(dout * ow, 1), mask=rm)
+    tl.store(DELTA + 2 * N + r, tl.sum(dow.to(tl.float32) * ow, 1), mask=rm)
 
 
 def _rows_per_program(x: torch.Tensor, d: int) -> int:
@@ -96,12 +105,14 @@ def combine_fwd(o_c, o_s, o_w, gates):
 
 
 def combine_bwd(dout, o_c, o_s, o_w, gates):
+    """-> (dO_cmp, dO_slc, dO_win, dgates, delta [3, *o.shape[:-1]] fp32: rowsum(dO_i * o_i) per branch)."""
     dout, o_c, o_s, o_w, gates = (x.contiguous() for x in (dout, o_c, o_s, o_w, gates))
     d = o_c.shape[-1]
     n = o_c.numel() // d
     doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
     dg = torch.empty(gates.shape, device=gates.device, dtype=torch.float32)
+    delta = torch.empty((3, *o_c.shape[:-1]), device=o_c.device, dtype=torch.float32)
     br = _rows_per_program(o_c, d)
-    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, n, D=d,
+    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, delta, n, D=d,
                                         DP=pow2(max(d, 16)), BR=br)
-    return doc, dos, dow, dg.to(gates.dtype)
+    return doc, dos, dow, dg.to(gates.dtype), delta

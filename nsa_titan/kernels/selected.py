@@ -67,8 +67,9 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
 @triton.jit
 def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                 T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
-                GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
-    """DO and DQ are contiguous [B, T, HQ, D]."""
+                GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                ACC: tl.constexpr):
+    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
@@ -98,8 +99,11 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, 
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (dk[None, :] < DK))
+    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
+    dq = dq * sm_scale
+    if ACC:
+        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
 
 
 @triton.jit
@@ -204,19 +208,21 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
 
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None):
+            cfg_dkdv: dict | None = None, delta=None, dq_acc=None):
+    """-> (dq, dk, dv); ``delta`` and ``dq_acc`` as in band.band_bwd."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
     G, c = _consts(q, k, v, slc_block, n)
     do = do.contiguous()
-    delta = rowdot(do, o)
+    if delta is None:
+        delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
     _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
                               DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
-                              num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+                              ACC=dq_acc is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     # Inverse index: sort (block, token) pairs by block; unused slots sort last (key nb*T).
     nb = -(-T // slc_block)
     t_ar = torch.arange(T, device=q.device).view(1, 1, T, 1)

@@ -37,10 +37,8 @@ _ATTENTION_OP_NAMES = (
     "aten._efficient_attention_forward",
     "higher_order.flex_attention",
     "_c10d_functional.reduce_scatter_tensor",
-    # Forward ops registered by nsa_titan.kernels (Triton; present only where the kernels import).
-    "nsa_titan.band_attn",
-    "nsa_titan.select_blocks",
-    "nsa_titan.sel_attn",
+    # The forward op registered by nsa_titan.kernels (Triton; present only where the kernels import).
+    "nsa_titan.nsa_fwd",
 )
 
 

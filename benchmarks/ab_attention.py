@@ -1,0 +1,108 @@
+"""A/B of the NSA attention kernels: this checkout against another source tree, in one run on one GPU.
+
+    git archive <commit> nsa_titan | tar -x -C /tmp/base          # the baseline tree
+    python benchmarks/ab_attention.py --baseline /tmp/base --cases paper:8192:1,1b:8192:4,m7c:8192:2
+
+Each tree runs in its own process (its own ``nsa_titan`` on sys.path, its own Triton cache entries): forward+
+backward of ``nsa_titan.kernels.nsa_attention`` on the same random bf16 inputs, median of
+triton.testing.do_bench (interleaved rounds: A, B, A, B, ... to spread clock drift over both), and peak
+memory above the inputs. Writes ab_attention_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+CONFIGS = {"paper": (64, 4, 128, 128), "1b": (16, 1, 128, 128), "m7c": (12, 2, 64, 64), "qwen7b": (28, 4, 128, 128)}
+
+
+def measure(cases: list[tuple[str, int, int]]) -> list[dict]:
+    """Runs in the child: time and peak memory of every case with the nsa_titan found on sys.path."""
+    import torch
+    from triton.testing import do_bench
+
+    from nsa_titan.kernels import nsa_attention
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(32, 16, 64, 16, 512)
+    rows = []
+    for name, T, B in cases:
+        HQ, HKV, DK, DV = CONFIGS[name]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        tc = p.num_cmp_tokens(T)
+        shapes = [(B, T, HQ, DK), (B, tc, HKV, DK), (B, tc, HKV, DV)] + [(B, T, HKV, DK), (B, T, HKV, DV)] * 2
+        ins = [torch.randn(*s, device="cuda", generator=g).bfloat16().requires_grad_(True) for s in shapes]
+        ins.append(torch.rand(B, T, HQ, 3, device="cuda", generator=g).requires_grad_(True))
+        dout = torch.randn(B, T, HQ, DV, device="cuda", generator=g).bfloat16()
+
+        def run():
+            nsa_attention(*ins, p)[0].backward(dout)
+
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = do_bench(run, warmup=25, rep=100, grad_to_none=ins, return_mode="median")
+        rows.append(dict(config=name, T=T, B=B, fwdbwd_ms=ms, peak_GiB=peak))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", required=True, help="a folder holding the baseline's nsa_titan package")
+    ap.add_argument("--cases", default="paper:8192:1,paper:32768:1,1b:8192:4,m7c:8192:2,qwen7b:8192:1")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    cases = [(c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2])) for c in a.cases.split(",")]
+    if a.child:
+        sys.path.insert(0, a.child)
+        print("ROWS " + json.dumps(measure(cases)), flush=True)
+        return
+    results = {"baseline": [], "current": []}
+    for _ in range(a.rounds):
+        for label, tree in (("baseline", os.path.abspath(a.baseline)), ("current", REPO)):
+            env = dict(os.environ, PYTHONPATH=tree)
+            proc = subprocess.run([sys.executable, __file__, "--baseline", a.baseline, "--cases", a.cases,
+                                   "--child", tree], env=env, capture_output=True, text=True, cwd="/")
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
+            if line is None:
+                raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
+            results[label].append(json.loads(line[5:]))
+    import torch
+    import triton
+
+    table = []
+    for i, (name, T, B) in enumerate(cases):
+        row = dict(config=name, T=T, B=B)
+        for label in results:
+            row[f"{label}_ms"] = min(r[i]["fwdbwd_ms"] for r in results[label])
+            row[f"{label}_GiB"] = results[label][0][i]["peak_GiB"]
+            row[f"{label}_ms_rounds"] = [round(r[i]["fwdbwd_ms"], 3) for r in results[label]]
+        row["speedup"] = row["baseline_ms"] / row["current_ms"]
+        table.append(row)
+        print(f"{name} T={T} B={B}: baseline {row['baseline_ms']:.3f} ms {row['baseline_GiB']:.2f} GiB -> current "
+              f"{row['current_ms']:.3f} ms {row['current_GiB']:.2f} GiB ({row['speedup']:.3f}x)", flush=True)
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   baseline=a.baseline, rounds=a.rounds, cases=table)
+    os.makedirs(a.out, exist_ok=True)
+    name = "ab_attention_" + payload["device"].replace(" ", "_") + ".json"
+    with open(os.path.join(a.out, name), "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
