@@ -225,6 +225,37 @@ def test_summary_reports_the_last_window_apart_from_the_mean(tmp_path):
     assert s["tokens_per_s_per_gpu"] == pytest.approx(5000 / 3.5)  # steps 2-6, first window left out
 
 
+def test_window_time_waits_for_the_device(tmp_path, monkeypatch):
+    """The host runs ahead of the GPU: a window must end when its last step's GPU work has finished (the log
+    step's sync), not when the host finished launching it. Simulated: launching a step takes 0.1 s of host
+    time, running it 0.5 s of device time; a host read (.item()) waits for the device."""
+    clock = FakeClock()
+    device_done = [0.0]
+    logger = MetricsLogger(metrics_cfg(), dump_folder=tmp_path, total_steps=6, device=torch.device("cpu"),
+                           world_size=1, clock=clock, busy_timer=FakeBusy(clock, 1.0), print_fn=lambda s: None)
+    real_item = torch.Tensor.item
+
+    def item_waits(self):
+        clock.t = max(clock.t, device_done[0])
+        return real_item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", item_waits)
+    for step in range(1, 7):
+        logger.step_start()
+        clock.t += 0.1  # launch
+        device_done[0] = max(device_done[0], clock.t) + 0.5
+        logger.step_end(step, torch.tensor(1.0), torch.tensor(1.0), 1000)
+        if logger.should_log(step):
+            logger.log(step, lr=1e-3)
+    logger.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 4, 6]
+    # Windows after the first: the device idles while the first step is launched (0.1 s after the previous
+    # log's sync), then runs two steps of 0.5 s back to back; reading the clock before the sync gave 0.2 s.
+    assert [r["tokens_per_s_per_gpu"] for r in recs[2:]] == pytest.approx([2000 / 1.1] * 2)
+    assert logger.summary()["last_window_tokens_per_s_per_gpu"] == pytest.approx(2000 / 1.1)
+
+
 def test_gpu_busy_warning_when_cpu_bound(tmp_path):
     lines = []
     run_logger(tmp_path, busy_fraction=0.6, lines=lines)

@@ -253,11 +253,14 @@ class MetricsLogger:
         if not self.enabled or self._win_steps == 0:
             self._reset_window(start=self._clock())
             return None
-        now = self._clock()
-        wall = max(now - self._win_start - self._win_excluded, 1e-9)
         n = self._win_steps
+        # Read the device values first: the host runs ahead of the GPU, and the window ends when its last
+        # step's device work has finished, which this sync waits for (reading the clock before it credited
+        # the window with the host's launch time only: a 1-step final window showed 176% MFU on an H100).
         loss = (self._win_loss / n).item()  # host sync ok: log step
         grad_norm = (self._win_gnorm / n).item()  # host sync ok: log step
+        now = self._clock()
+        wall = max(now - self._win_start - self._win_excluded, 1e-9)
         busy_s = self._busy.collect()
         per_gpu = self._win_tokens / wall
         mfu = None
