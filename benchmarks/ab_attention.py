@@ -24,13 +24,18 @@ REPO = os.path.dirname(HERE)
 CONFIGS = {"paper": (64, 4, 128, 128), "1b": (16, 1, 128, 128), "m7c": (12, 2, 64, 64), "qwen7b": (28, 4, 128, 128)}
 
 
-def measure(cases: list[tuple[str, int, int]]) -> list[dict]:
-    """Runs in the child: time and peak memory of every case with the nsa_titan found on sys.path."""
+def measure(cases: list[tuple[str, int, int]], tree: str) -> list[dict]:
+    """Runs in the child: time and peak memory of every case with the nsa_titan of ``tree``."""
     import torch
-    from triton.testing import do_bench
 
+    import nsa_titan
     from nsa_titan.kernels import nsa_attention
     from nsa_titan.models.nsa.common import NSAParams
+
+    if not os.path.realpath(nsa_titan.__file__).startswith(os.path.realpath(tree) + os.sep):
+        raise SystemExit(f"imported {nsa_titan.__file__}, not the tree {tree}")
+    # bench_attention puts this checkout first on sys.path when imported: only after the tree's package is loaded.
+    from bench_attention import bench_one
 
     p = NSAParams(32, 16, 64, 16, 512)
     rows = []
@@ -42,18 +47,7 @@ def measure(cases: list[tuple[str, int, int]]) -> list[dict]:
         ins = [torch.randn(*s, device="cuda", generator=g).bfloat16().requires_grad_(True) for s in shapes]
         ins.append(torch.rand(B, T, HQ, 3, device="cuda", generator=g).requires_grad_(True))
         dout = torch.randn(B, T, HQ, DV, device="cuda", generator=g).bfloat16()
-
-        def run():
-            nsa_attention(*ins, p)[0].backward(dout)
-
-        run()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = do_bench(run, warmup=25, rep=100, grad_to_none=ins, return_mode="median")
+        ms, peak = bench_one(lambda: nsa_attention(*ins, p)[0], ins, dout, bwd=True)  # noqa: B023
         rows.append(dict(config=name, T=T, B=B, fwdbwd_ms=ms, peak_GiB=peak))
     return rows
 
@@ -69,7 +63,7 @@ def main():
     cases = [(c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2])) for c in a.cases.split(",")]
     if a.child:
         sys.path.insert(0, a.child)
-        print("ROWS " + json.dumps(measure(cases)), flush=True)
+        print("ROWS " + json.dumps(measure(cases, a.child)), flush=True)
         return
     results = {"baseline": [], "current": []}
     for _ in range(a.rounds):
