@@ -42,6 +42,15 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "run_train.sh: torch not found; installing torch==2.13.0" >&2
   "$PYTHON" -m pip install "torch==2.13.0"
 fi
+# The rest of pyproject.toml's runtime dependencies (the package itself is installed with --no-deps below).
+missing=()
+"$PYTHON" -c "import numpy" >/dev/null 2>&1 || missing+=("numpy")
+"$PYTHON" -c "import sys; sys.exit(sys.version_info < (3, 11))" || "$PYTHON" -c "import tomli" >/dev/null 2>&1 \
+  || missing+=("tomli>=1.1")
+if (( ${#missing[@]} )); then
+  echo "run_train.sh: installing ${missing[*]}" >&2
+  "$PYTHON" -m pip install -q "${missing[@]}"
+fi
 # Where `import nsa_titan` resolves from outside the repository ("" if nowhere). Checked from / so
 # that subprocesses in any directory (torchrun workers, tests' subprocesses) can import it, and so
 # that a stale install of another clone does not shadow this one.
