@@ -21,8 +21,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-CONFIGS = {"paper": (64, 4, 128, 128), "1b": (16, 1, 128, 128), "m7c": (12, 2, 64, 64), "qwen7b": (28, 4, 128, 128)}
-
 
 def measure(cases: list[tuple[str, int, int]], tree: str) -> list[dict]:
     """Runs in the child: time and peak memory of every case with the nsa_titan of ``tree``."""
@@ -30,24 +28,22 @@ def measure(cases: list[tuple[str, int, int]], tree: str) -> list[dict]:
 
     import nsa_titan
     from nsa_titan.kernels import nsa_attention
-    from nsa_titan.models.nsa.common import NSAParams
 
     if not os.path.realpath(nsa_titan.__file__).startswith(os.path.realpath(tree) + os.sep):
         raise SystemExit(f"imported {nsa_titan.__file__}, not the tree {tree}")
-    # bench_attention puts this checkout first on sys.path when imported: only after the tree's package is loaded.
+    # These benchmark modules put this checkout first on sys.path when imported: import them only after the
+    # tree's package is loaded (sys.modules then keeps the tree's).
+    from attention_checks import make_inputs
     from bench_attention import bench_one
+    from profile_block import ATTN_CONFIGS, PAPER_P
 
-    p = NSAParams(32, 16, 64, 16, 512)
+    torch.manual_seed(0)
     rows = []
     for name, T, B in cases:
-        HQ, HKV, DK, DV = CONFIGS[name]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        tc = p.num_cmp_tokens(T)
-        shapes = [(B, T, HQ, DK), (B, tc, HKV, DK), (B, tc, HKV, DV)] + [(B, T, HKV, DK), (B, T, HKV, DV)] * 2
-        ins = [torch.randn(*s, device="cuda", generator=g).bfloat16().requires_grad_(True) for s in shapes]
-        ins.append(torch.rand(B, T, HQ, 3, device="cuda", generator=g).requires_grad_(True))
-        dout = torch.randn(B, T, HQ, DV, device="cuda", generator=g).bfloat16()
-        ms, peak = bench_one(lambda: nsa_attention(*ins, p)[0], ins, dout, bwd=True)  # noqa: B023
+        HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+        ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
+        dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+        ms, peak = bench_one(lambda: nsa_attention(*ins, PAPER_P)[0], ins, dout, bwd=True)  # noqa: B023
         rows.append(dict(config=name, T=T, B=B, fwdbwd_ms=ms, peak_GiB=peak))
     return rows
 
