@@ -8,8 +8,9 @@
   legitimately flip between bf16 and float64); the selection itself is checked separately: in float64, no
   unchosen candidate may beat a chosen free block by more than a small tolerance.
 --bench: forward and forward+backward times (median of triton.testing.do_bench), peak memory per case, for
-  the paper config (HQ64/HKV4/D128, l=32, d=16, l'=64, n=16, w=512) and m7c (HQ12/HKV2/D64), T = 4k..64k,
-  next to SDPA full causal attention (and fla-core's parallel_nsa when importable).
+  the paper config (HQ64/HKV4/D128, l=32, d=16, l'=64, n=16, w=512), 1b (HQ16/HKV1/D128), m7c (HQ12/HKV2/D64)
+  and a Qwen2.5-7B shape (HQ28/HKV4/D128, G=7), T = 4k..64k, next to SDPA full causal attention and
+  fla-core's parallel_nsa when importable (carry its wheel: see benchmarks/NOTES_kernels.md).
 --breakdown: per-operator times at the largest T of the paper config.
 Writes attention_<device>.json and .md to benchmarks/results/ (or --out).
 """
@@ -35,6 +36,12 @@ from attention_checks import DEV, check, make_inputs, rel  # noqa: E402  (the --
 
 PAPER = dict(HQ=64, HKV=4, DK=128, DV=128, p=NSAParams(32, 16, 64, 16, 512))
 M7C = dict(HQ=12, HKV=2, DK=64, DV=64, p=NSAParams(32, 16, 64, 16, 512))
+CONFIGS = {  # the attention shapes of the paper, our 1b and m7c flavors, and a Qwen2.5-7B-shaped model (G=7)
+    "paper": PAPER,
+    "1b": dict(HQ=16, HKV=1, DK=128, DV=128, p=PAPER["p"]),
+    "m7c": M7C,
+    "qwen7b": dict(HQ=28, HKV=4, DK=128, DV=128, p=PAPER["p"]),
+}
 
 
 
@@ -69,13 +76,58 @@ def flops(T, cfg, fwd_only):
     return f if fwd_only else f + 2.5 * (cmp_ + slc + win)
 
 
+def load_fla():
+    """fla-core's parallel_nsa (pure-Python wheel), or None when it is not importable."""
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except Exception as e:  # not installed, or an incompatible triton/torch: the row says so
+        print("fla-core parallel_nsa not available:", type(e).__name__, str(e)[:200], flush=True)
+        return None
+    return parallel_nsa
+
+
+def fla_unsupported(cfg) -> str | None:
+    """Why fla-core's kernel cannot run this shape (its selected kernel tiles the GQA group: G = 2^k >= 16)."""
+    G = cfg["HQ"] // cfg["HKV"]
+    if G < 16 or G & (G - 1):
+        return f"not supported (needs G = HQ/HKV a power of 2 >= 16, here {G})"
+    if cfg["DK"] != cfg["DV"]:
+        return "not supported (needs Dk == Dv)"
+    return None
+
+
+def bench_fla(fla_nsa, row, cfg, q, k, v, dout):
+    """fla-core's parallel_nsa on the same q and selected-branch K/V: compressed + selected branches only
+    (its window branch needs flash-attn), compression by mean pooling over l' = 64 (its only geometry)."""
+    if fla_nsa is None:
+        row["fla_parallel_nsa"] = "not installed"
+        return
+    why = fla_unsupported(cfg)
+    if why:
+        row["fla_parallel_nsa"] = why
+        return
+    p, T, HQ = cfg["p"], q.shape[1], cfg["HQ"]
+    g_cmp, g_slc = (torch.rand(1, T, HQ, device=q.device, dtype=q.dtype).requires_grad_(True) for _ in range(2))
+
+    def fla():
+        return fla_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=p.slc_top_n, block_size=p.slc_block,
+                       window_size=0)
+
+    try:
+        for bwd in (False, True):
+            ms, mem = bench_one(fla, [q, k, v, g_cmp, g_slc], dout, bwd)
+            row["fla_fwdbwd_ms" if bwd else "fla_fwd_ms"] = ms
+            row["fla_fwdbwd_GiB" if bwd else "fla_fwd_GiB"] = mem
+        row["fla_parallel_nsa"] = "cmp+slc, no window"
+        if "nsa_fwdbwd_ms" in row:
+            row["nsa_vs_fla_fwdbwd"] = row["fla_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
+    except Exception as e:
+        row["fla_parallel_nsa"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+
+
 def bench(cfgs, Ts):
     rows = []
-    try:
-        from fla.ops.nsa import parallel_nsa  # noqa: F401  (optional comparison)
-        have_fla = True
-    except Exception:
-        have_fla = False
+    fla_nsa = load_fla()
     for cname, cfg in cfgs:
         for T in Ts:
             HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
@@ -106,7 +158,7 @@ def bench(cfgs, Ts):
             if "nsa_fwdbwd_ms" in row and "sdpa_fwdbwd_ms" in row:
                 row["speedup_fwd"] = row["sdpa_fwd_ms"] / row["nsa_fwd_ms"]
                 row["speedup_fwdbwd"] = row["sdpa_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
-            row["fla_parallel_nsa"] = "not installed" if not have_fla else "not run"
+            bench_fla(fla_nsa, row, cfg, q, k, v, dout)
             print(json.dumps(row), flush=True)
             rows.append(row)
             del ins, dout, q, k, v
@@ -247,6 +299,18 @@ def targets(rows):
     if "speedup_fwdbwd" in r:
         x = r["speedup_fwdbwd"]
         out.append(f"- m7c 32k fwd+bwd {x:.2f}x SDPA vs >= 4x: " + ("met" if x >= 4 else f"MISSED by {4 / x:.2f}x"))
+    for cname in ("m7c", "qwen7b"):
+        got = {t: by.get((cname, t), {}).get("speedup_fwdbwd") for t in (8192, 32768)}
+        if any(x is not None for x in got.values()):
+            out.append(f"- {cname} fwd+bwd vs SDPA: " + "; ".join(
+                f"{t // 1024}k {fmt(x)}x vs >= {goal}x: " + ("-" if x is None else "met" if x >= goal else
+                                                              f"MISSED by {goal / x:.2f}x")
+                for (t, x), goal in zip(got.items(), (1, 4))))
+    fla = [(c, t, rr["nsa_vs_fla_fwdbwd"]) for (c, t), rr in sorted(by.items()) if "nsa_vs_fla_fwdbwd" in rr]
+    if fla:
+        worst = min(x for _, _, x in fla)
+        out.append(f"- >= 2x fla-core at every T: worst {worst:.2f}x (" + ("met" if worst >= 2 else "MISSED") + "); "
+                   + ", ".join(f"{c} {t // 1024}k: {x:.2f}x" for c, t, x in fla))
     mem = [(t, rr.get("nsa_fwdbwd_GiB")) for t, rr in sorted((t, rr) for (c, t), rr in by.items() if c == "paper")]
     mem = [(t, g) for t, g in mem if g]
     if len(mem) > 1:
@@ -271,14 +335,19 @@ def write(out_dir, payload):
              "See benchmarks/NOTES_kernels.md for the analysis.", ""]
     if payload.get("bench"):
         lines += ["| config | T | NSA fwd ms | NSA fwd+bwd ms | SDPA fwd ms | SDPA fwd+bwd ms | fwd x | "
-                  "fwd+bwd x | NSA TFLOP/s (f+b) | NSA GiB (f+b) | SDPA GiB (f+b) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "fwd+bwd x | NSA TFLOP/s (f+b) | NSA GiB (f+b) | SDPA GiB (f+b) | fla fwd+bwd ms | NSA vs fla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in payload["bench"]:
             g = r.get
             lines.append(f"| {r['config']} | {r['T']} | {fmt(g('nsa_fwd_ms'))} | {fmt(g('nsa_fwdbwd_ms'))} | "
                          f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
                          f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "
-                         f"{fmt(g('nsa_fwdbwd_GiB'))} | {fmt(g('sdpa_fwdbwd_GiB'))} |")
+                         f"{fmt(g('nsa_fwdbwd_GiB'))} | {fmt(g('sdpa_fwdbwd_GiB'))} | "
+                         f"{fmt(g('fla_fwdbwd_ms')) if g('fla_fwdbwd_ms') else g('fla_parallel_nsa', '-')} | "
+                         f"{fmt(g('nsa_vs_fla_fwdbwd'))} |")
+        lines += ["", "fla-core's `parallel_nsa` runs the compressed and selected branches only (its window branch "
+                  "needs flash-attn) with compression blocks of l' = 64; NSA here runs all three branches. "
+                  "NSA vs fla = fla ms / NSA ms."]
         lines += targets(payload["bench"])
     if payload.get("breakdown"):
         lines += ["", "Per-operator ms (paper config): " + json.dumps(
@@ -307,6 +376,7 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--quick", action="store_true", help="check: skip the 64k case")
     ap.add_argument("--ts", default="4096,8192,16384,32768,65536", help="bench sequence lengths")
+    ap.add_argument("--configs", default="paper,1b,m7c,qwen7b", help=f"bench configs, of {', '.join(CONFIGS)}")
     ap.add_argument("--sweep", action="store_true", help="tune launch shapes at paper 64k first, then use them")
     ap.add_argument("--from-json", help="only rewrite the markdown of an earlier run's JSON (no GPU needed)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -331,7 +401,7 @@ def main():
         payload["check"] = check(cases)
     if a.bench:
         Ts = [int(t) for t in a.ts.split(",")]
-        payload["bench"] = bench([("paper", PAPER), ("m7c", M7C)], Ts)
+        payload["bench"] = bench([(c, CONFIGS[c]) for c in a.configs.split(",")], Ts)
     if a.breakdown:
         payload["breakdown"] = {f"paper_T{T}": breakdown(PAPER, T) for T in (8192, 65536)}
         payload["breakdown"]["m7c_T32768"] = breakdown(M7C, 32768)

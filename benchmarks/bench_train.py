@@ -30,6 +30,10 @@ VARIANTS = {
     "triton_compile": ["--model.attn_impl", "triton", "--compile.enable"],
     "dense": ["--model.attn_type", "dense"],
     "dense_compile": ["--model.attn_type", "dense", "--compile.enable"],
+    # the same, each compiled block replayed as a CUDA graph (no per-kernel host launches)
+    "triton_compile_cg": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "reduce-overhead"],
+    "torch_compile_cg": ["--model.attn_impl", "torch", "--compile.enable", "--compile.mode", "reduce-overhead"],
+    "dense_compile_cg": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "reduce-overhead"],
 }
 
 

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             logger.step_start()
             micro_batches = [move_batch(mb, device) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
+            if job_config.compile.cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
+                torch.compiler.cudagraph_mark_step_begin()
             with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
                 loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
                                              max_norm=tc.max_norm, autocast=autocast,

@@ -155,6 +155,8 @@ def test_toml_int_accepted_for_float_but_not_bool_for_int(tmp_path):
     (["steps=3"], ["steps=3", "--section.key value"]),
     (["--steps", "3"], ["--steps", "--section.key"]),
     (["--confg", "x.toml"], ["--confg", "did you mean 'config'"]),
+    (["--compile.mode", "reduce-overhead"], ["compile.mode", "--compile.enable"]),
+    (["--compile.enable", "--compile.mode", "cudagraphs"], ["compile.mode", "'reduce-overhead'"]),
 ])
 def test_cli_errors_name_key_and_fix(argv, must_contain):
     msg = _error(argv)

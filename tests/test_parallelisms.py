@@ -202,6 +202,15 @@ def test_parallelize_requires_a_meta_model():
         parallelize_nsa(model, ParallelDims.from_config(1, _pcfg()), load_job_config([]), torch.device("cpu"))
 
 
+def test_cuda_graph_mode_refused_off_gpu_before_anything_is_built():
+    cfg = load_job_config(["--compile.enable", "--compile.mode", "reduce-overhead"])
+    with torch.device("meta"):
+        model = build_model(tiny_args(2))
+    with pytest.raises(ConfigError, match="reduce-overhead.*one CUDA GPU"):
+        parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
+    assert all(p.is_meta for p in model.parameters())  # refused before compile or materialisation
+
+
 def test_single_process_parallelize_materialises_and_checkpoints():
     cfg = load_job_config(["--activation_checkpoint.mode", "full", "--model.n_layers", "2"])
     with torch.device("meta"):

@@ -43,7 +43,8 @@ def apply_compile(model: nn.Module, compile_config: Any, memory_budget: float | 
     without code generation).
     """
     for name, block in list(model.layers.items()):
-        compiled = torch.compile(block, fullgraph=compile_config.fullgraph, backend=backend)
+        mode = None if compile_config.mode == "default" else compile_config.mode
+        compiled = torch.compile(block, fullgraph=compile_config.fullgraph, backend=backend, mode=mode)
         if memory_budget is not None:
             scope = _MemoryBudgetScope(memory_budget)
             compiled.register_forward_pre_hook(scope.enter)

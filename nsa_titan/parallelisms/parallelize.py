@@ -57,6 +57,11 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
         raise ConfigError("activation_checkpoint.mode 'memory_budget' needs --compile.enable (compile's "
                           "partitioner applies the budget)")
 
+    if job_config.compile.cudagraphs and (device.type != "cuda" or parallel_dims.dp_enabled):
+        raise ConfigError("compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU without data parallelism "
+                          f"(here: device {device.type}, data parallel degree {parallel_dims.dp_degree}): data "
+                          "parallel hooks run between the blocks' graphs and reallocate parameters; use "
+                          "compile.mode 'default' there")
     apply_ac(model, ac)
     if job_config.compile.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None

@@ -1,0 +1,75 @@
+"""Whole-model NSA / dense throughput table from ``bench_train.py`` results (one run = one JSON per tag).
+
+    python benchmarks/whole_model_table.py benchmarks/results/train_1b_seq8192.json ... \
+        --out benchmarks/results/whole_model_NVIDIA_H100_80GB_HBM3
+
+Each JSON holds NSA variants (``triton_compile``, ``torch_compile``, ``*_cg``) and a dense one measured in the
+same command on the same GPU; every NSA variant is divided by the dense variant of the same compile mode
+(``dense_compile`` for plain compile, ``dense_compile_cg`` for CUDA graphs; the plain one when only it ran).
+Tokens/s are the last log window's (steady state: the first steps compile and record CUDA graphs).
+Targets are issue 11's (whole model, compiled, one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TARGETS = {("1b", 8192): 1.0, ("1b", 32768): 2.0, ("1b", 65536): 3.0, ("m7c", 8192): 1.0, ("m7c", 32768): 2.5}
+
+
+def _tps(row: dict) -> float | None:
+    return row.get("last_window_tokens_per_s_per_gpu") or row.get("tokens_per_s_per_gpu")
+
+
+def ratio_rows(result: dict) -> list[dict]:
+    by = {r["variant"]: r for r in result["rows"] if "error" not in r}
+    rows = []
+    for name, r in by.items():
+        if name.startswith("dense"):
+            continue
+        dense = by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or by.get("dense_compile")
+        flavor, tr = r["model"]["flavor"], r["training"]
+        nsa_tps, dense_tps = _tps(r), dense and _tps(dense)
+        ratio = nsa_tps / dense_tps if nsa_tps and dense_tps else None
+        rows.append(dict(flavor=flavor, seq_len=tr["seq_len"], local_batch=tr["local_batch_size"], variant=name,
+                         nsa_tokens_per_s=nsa_tps, dense_variant=dense and dense["variant"],
+                         dense_tokens_per_s=dense_tps, ratio=ratio, nsa_peak_gib=r.get("peak_mem_gib"),
+                         dense_peak_gib=dense and dense.get("peak_mem_gib"),
+                         target=TARGETS.get((flavor, tr["seq_len"])), device=r.get("device"), date=r.get("date")))
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    f = lambda v, s: "-" if v is None else format(v, s)  # noqa: E731
+    lines = [f"# Whole model, NSA vs dense: {meta['device']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date'][:10]}; `bench_train.py`, one GPU, "
+             "fp32 weights + bf16 autocast, tokens/s of the last 5-step log window; NSA and dense of a row come "
+             "from the same command.", "",
+             "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB | dense GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["flavor"], r["seq_len"], r["local_batch"], r["variant"])):
+        tgt = "-" if r["target"] is None else (f">= {r['target']:.1f} "
+                                               + ("met" if (r["ratio"] or 0) >= r["target"] else "missed"))
+        lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
+                     f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
+                     f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | {f(r['dense_peak_gib'], '.1f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", help="bench_train.py JSON files")
+    ap.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
+    a = ap.parse_args()
+    results = [json.loads(Path(p).read_text()) for p in a.results]
+    rows = [row for res in results for row in ratio_rows(res)]
+    meta = {k: results[0].get(k) for k in ("device", "torch", "triton", "date")}
+    Path(a.out + ".json").write_text(json.dumps({**meta, "sources": a.results, "rows": rows}, indent=1) + "\n")
+    Path(a.out + ".md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
