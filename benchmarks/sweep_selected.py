@@ -35,14 +35,20 @@ def _v(NPI=2, w=4, st=2):
 
 
 VARIANTS = {  # first = the default of selected._cfg on the GPU for head dims <= 128
-    "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3)],
+    "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3),
+                # block-centric (selected_blocks.py): rows = tokens per chunk * next_pow2(G)
+                dict(algo="blocks", rows=64, num_warps=4, num_stages=1),
+                dict(algo="blocks", rows=64, num_warps=4, num_stages=2),
+                dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
+                dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
+                dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
     "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2)],
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
 }
 
 
-def case(name: str, T: int, B: int) -> dict:
+def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
     from triton.testing import do_bench
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
@@ -61,7 +67,7 @@ def case(name: str, T: int, B: int) -> dict:
     out = dict(config=name, T=T, B=B, G=G)
     for bt in TILES:
         out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
-    for kname, fn in jobs.items():
+    for kname, fn in ((k, jobs[k]) for k in kernels):
         ref = fn(VARIANTS[kname][0])
         res = []
         for c in VARIANTS[kname]:
@@ -76,7 +82,7 @@ def case(name: str, T: int, B: int) -> dict:
         ok = [r for r in res if "ms" in r and r["same"]]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
-              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
+              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
                                                           f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
                                                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
                                                           for r in res), flush=True)
@@ -89,6 +95,8 @@ def main():
     ap.add_argument("--configs", default="paper,1b,m7c,qwen7b")
     ap.add_argument("--ts", default="8192,32768")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tag", default="", help="file name suffix, e.g. _blocks")
+    ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     import triton
@@ -97,10 +105,10 @@ def main():
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), cases=[])
     for name in a.configs.split(","):
         for T in (int(t) for t in a.ts.split(",")):
-            payload["cases"].append(case(name, T, a.batch))
+            payload["cases"].append(case(name, T, a.batch, a.kernels.split(",")))
             torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sweep_selected_" + payload["device"].replace(" ", "_") + ".json"), "w") as f:
+    with open(os.path.join(a.out, f"sweep_selected{a.tag}_" + payload["device"].replace(" ", "_") + ".json"), "w") as f:
         json.dump(payload, f, indent=1)
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, TUNED
 from nsa_titan.kernels.combine import pow2, rowdot
+from nsa_titan.kernels.selected_blocks import sel_fwd_blocks
 
 
 @triton.jit
@@ -201,6 +202,8 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
+    if lc.get("algo") == "blocks":
+        return sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc)
     _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                            *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)), NPI=lc["NPI"],
                            **c, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
