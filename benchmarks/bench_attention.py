@@ -343,11 +343,12 @@ def write(out_dir, payload):
                          f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
                          f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "
                          f"{fmt(g('nsa_fwdbwd_GiB'))} | {fmt(g('sdpa_fwdbwd_GiB'))} | "
-                         f"{fmt(g('fla_fwdbwd_ms')) if g('fla_fwdbwd_ms') else g('fla_parallel_nsa', '-')} | "
+                         f"{fmt(g('fla_fwdbwd_ms')) if g('fla_fwdbwd_ms') else g('fla_parallel_nsa', '-').split(' (')[0]} | "
                          f"{fmt(g('nsa_vs_fla_fwdbwd'))} |")
         lines += ["", "fla-core's `parallel_nsa` runs the compressed and selected branches only (its window branch "
                   "needs flash-attn) with compression blocks of l' = 64; NSA here runs all three branches. "
-                  "NSA vs fla = fla ms / NSA ms."]
+                  "NSA vs fla = fla ms / NSA ms. fla-core's selected kernel needs G = HQ/HKV a power of 2 >= 16 "
+                  "(m7c: 6, qwen7b: 7 are not supported)."]
         lines += targets(payload["bench"])
     if payload.get("breakdown"):
         lines += ["", "Per-operator ms (paper config): " + json.dumps(

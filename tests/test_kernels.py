@@ -132,6 +132,32 @@ def _aux_grads_check(device):
     return {"ok": seen == [[True] * 7] and xs[0].grad is not None, "seen": seen}
 
 
+def _blocks_fwd_check(device):
+    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
+    import torch
+
+    from nsa_titan.kernels import band, select, selected
+    from nsa_titan.models.nsa.common import NSAParams
+
+    worst = {}
+    for name, B, T, HQ, HKV, DK, DV, geo, dt in CASES:
+        p, dtype = NSAParams(*geo), getattr(torch, dt)
+        gen = torch.Generator().manual_seed(1)
+        q, kc, ks, vs = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
+                         [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK), (B, T, HKV, DK), (B, T, HKV, DV)])
+        if kc.shape[1] == 0:
+            continue
+        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0)
+        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
+        o_tok, lse_tok = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="token"))
+        o_blk, lse_blk = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32))
+        same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
+        fin = torch.isfinite(lse_tok)
+        worst[name] = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
+        worst[name] = worst[name] if same_inf and worst[name] < TOL[dt] else float("inf")
+    return {"ok": len(worst) == len(CASES) - 1 and max(worst.values()) < float("inf"), "worst": worst}
+
+
 def main(device: str) -> None:
     for case in CASES:
         t0 = time.time()
@@ -141,7 +167,8 @@ def main(device: str) -> None:
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
-    for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check)):
+    for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
+                        ("sel_fwd_blocks", _blocks_fwd_check)):
         try:
             res = check(device)
         except Exception as e:
@@ -167,7 +194,7 @@ def verdicts():
     return found
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads", "sel_fwd_blocks"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"
