@@ -31,10 +31,10 @@ from nsa_titan.kernels import band, select, selected  # noqa: E402
 
 
 def _v(NPI=2, w=4, st=2):
-    return dict(NPI=NPI, num_warps=w, num_stages=st)
+    return dict(algo="token", NPI=NPI, num_warps=w, num_stages=st)
 
 
-VARIANTS = {  # first = the default of selected._cfg on the GPU for head dims <= 128
+VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU for head dims <= 128
     "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3),
                 # block-centric (selected_blocks.py): rows = tokens per chunk * next_pow2(G)
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=1),
@@ -42,7 +42,8 @@ VARIANTS = {  # first = the default of selected._cfg on the GPU for head dims <=
                 dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
                 dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
                 dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
-    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2)],
+    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2),
+               dict(algo="blocks", NPI=2, num_warps=4, num_stages=2)],  # dQ partials in the dK/dV walk
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
 }

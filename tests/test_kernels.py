@@ -133,7 +133,8 @@ def _aux_grads_check(device):
 
 
 def _blocks_fwd_check(device):
-    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
+    """The block-centric selected forward and dQ (selected_blocks.py) against the token-centric ones (dQ added
+    into an existing gradient, as the fused backward does), every case."""
     import torch
 
     from nsa_titan.kernels import band, select, selected
@@ -153,7 +154,13 @@ def _blocks_fwd_check(device):
         o_blk, lse_blk = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32))
         same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
         fin = torch.isfinite(lse_tok)
-        worst[name] = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
+        do, dq0 = torch.randn_like(o_tok), torch.randn_like(q)
+        dq_tok = selected.sel_bwd(do, q, ks, vs, o_tok, lse_tok, idx, p.slc_block, cfg_dq=dict(algo="token"),
+                                  dq_acc=dq0.clone())[0]
+        dq_blk = selected.sel_bwd(do, q, ks, vs, o_tok, lse_tok, idx, p.slc_block, cfg_dq=dict(algo="blocks"),
+                                  dq_acc=dq0.clone())[0]
+        worst[name] = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()),
+                          _rel(dq_blk - dq0, dq_tok - dq0))
         worst[name] = worst[name] if same_inf and worst[name] < TOL[dt] else float("inf")
     return {"ok": len(worst) == len(CASES) - 1 and max(worst.values()) < float("inf"), "worst": worst}
 
@@ -168,7 +175,7 @@ def main(device: str) -> None:
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
     for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
-                        ("sel_fwd_blocks", _blocks_fwd_check)):
+                        ("sel_blocks", _blocks_fwd_check)):
         try:
             res = check(device)
         except Exception as e:
@@ -194,7 +201,7 @@ def verdicts():
     return found
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads", "sel_fwd_blocks"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads", "sel_blocks"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"

@@ -107,13 +107,34 @@ def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.const
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
-def block_pairs(block_idx: torch.Tensor, nb: int, bt: int):
-    """block_idx [B, HKV, T, n] -> the (block, token, slot) triples sorted by block and the chunk table.
+@triton.jit
+def _sel_dq_reduce(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
+                   DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
+    """dQ = sm_scale * sum over used slots of the fp32 partials (slots in order: deterministic); ACC adds DQ."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    r = tl.arange(0, BT * GP)
+    t = pid_m * BT + r // GP
+    g = r % GP
+    row_ok = (t < T) & (g < G)
+    dk = tl.arange(0, DKP)
+    acc = tl.zeros([BT * GP, DKP], tl.float32)
+    for s in range(NSEL):
+        used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
+        prow = (((b * T + t) * HKV + kv) * NSEL + s) * G + g
+        acc += tl.load(DQP + prow[:, None] * DK + dk[None, :], mask=(row_ok & used)[:, None] & (dk[None, :] < DK),
+                       other=0.0)
+    acc = acc * sm_scale
+    ptr = DQ + ((b * T + t) * (HKV * G) + kv * G + g)[:, None] * DK + dk[None, :]
+    m = row_ok[:, None] & (dk[None, :] < DK)
+    if ACC:
+        acc += tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptr, acc.to(DQ.dtype.element_ty), mask=m)
 
-    Returns keys [B*HKV, T*n] (block * T*n + t*n + slot; unused slots sort last), off [B*HKV, NB+1] (each
-    block's range in keys), coff [B*HKV, NB+1] (each block's first chunk) and prog [B*HKV, NCH] (the block of
-    every program; NB for spare ones). Static shapes, no host sync.
-    """
+
+def pair_keys(block_idx: torch.Tensor, nb: int):
+    """block_idx [B, HKV, T, n] -> keys [B*HKV, T*n]: block * T*n + t*n + slot sorted (unused slots last, as
+    nb * T*n), and off [B*HKV, NB+1] int64: each block's range in keys. Static shapes, no host sync."""
     B, HKV, T, n = block_idx.shape
     dev = block_idx.device
     tn = T * n
@@ -121,7 +142,16 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int):
     keys = torch.where(block_idx >= 0, block_idx * tn + pos, nb * tn).view(B * HKV, tn)
     keys = torch.sort(keys, dim=-1).values
     bounds = (torch.arange(nb + 1, device=dev) * tn).expand(B * HKV, nb + 1).contiguous()
-    off = torch.searchsorted(keys, bounds)
+    return keys, torch.searchsorted(keys, bounds)
+
+
+def block_pairs(block_idx: torch.Tensor, nb: int, bt: int):
+    """``pair_keys`` and the chunk table: coff [B*HKV, NB+1] (each block's first chunk of bt pairs) and
+    prog [B*HKV, NCH] (the block of every program; NB for spare ones)."""
+    B, HKV, T, n = block_idx.shape
+    dev = block_idx.device
+    tn = T * n
+    keys, off = pair_keys(block_idx, nb)
     chunks = (off[:, 1:] - off[:, :-1] + bt - 1) // bt
     coff = torch.nn.functional.pad(torch.cumsum(chunks, -1), (1, 0))
     nch = -(-tn // bt) + nb  # every chunk but one per block is full: an upper bound on the chunks
@@ -151,3 +181,13 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict):
     _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, BT=mt, GP=gp, DV=DV,
                                               DVP=consts["DVP"], num_warps=4)
     return o, lse
+
+
+def reduce_dq(dqp, block_idx, dq, sm_scale: float, acc: bool):
+    """Sum the [B, T, HKV, n, G, Dk] fp32 dQ partials of the block-centric backward into dq [B, T, HQ, Dk]."""
+    B, T, HKV, n, G, DK = dqp.shape
+    gp = pow2(G)
+    mt = max(1, 64 // gp)
+    _sel_dq_reduce[(triton.cdiv(T, mt), B * HKV)](dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, BT=mt, GP=gp,
+                                                  DK=DK, DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)
+    return dq
