@@ -42,8 +42,7 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                 dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
                 dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
                 dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
-    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2),
-               dict(algo="blocks", NPI=2, num_warps=4, num_stages=2)],  # dQ partials in the dK/dV walk
+    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2)],
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
 }

@@ -11,8 +11,7 @@ walks its list, so each dK/dV row is written by exactly one program in a fixed o
 forced for every token, so its list is all of 0..T-1; it is cut into P0 fixed segments whose fp32 partial sums
 are added afterwards, which keeps that one block from serialising T tokens in a single program.
 
-For small groups (G <= 8) the forward and dQ run block-centric instead (selected_blocks.py): the forward as
-its own kernel, dQ inside the dK/dV walk as one fp32 partial per (token, slot), summed in slot order.
+For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, TUNED
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected_blocks import pair_keys, reduce_dq, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import pair_keys, sel_fwd_blocks
 
 
 @triton.jit
@@ -111,13 +110,12 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, 
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DQP,
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G, HKV, P0, CH0, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DQ_PARTIAL: tl.constexpr):
-    """Program pid < P0: segment pid of block 0 -> fp32 partial PK/PV[bh, pid]; else block pid - P0 + 1 -> DK_/DV_.
-    DQ_PARTIAL: also each (token, slot) pair's dQ over this block, fp32, to DQP [B, T, HKV, n, G, Dk] (unscaled)."""
+                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """Program pid < P0: segment pid of block 0 -> fp32 partial PK/PV[bh, pid]; else block pid - P0 + 1 -> DK_/DV_."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     is_b0 = pid < P0
@@ -143,8 +141,9 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DQP,
     for e0 in range(lo, hi, BT):
         e = e0 + r // GP
         row_ok = (e < hi) & (g < G)
-        key = tl.load(key_base + e, mask=e < hi, other=0)  # block * T*n + t*n + slot
-        t = (key // NSEL) % T
+        key = tl.load(key_base + e, mask=e < hi, other=0)  # blk * T*n + t*n + slot
+        t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
+        t = tl.where(e < hi, t, 0)
         q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                     mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
         row = (b * T + t) * (HKV * G) + h
@@ -158,10 +157,6 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DQP,
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        if DQ_PARTIAL:
-            prow = (((b * T + t) * HKV + kv) * NSEL + key % NSEL) * G + g
-            tl.store(DQP + prow[:, None] * DK + dk[None, :], tl.dot(ds.to(k.dtype), k),
-                     mask=row_ok[:, None] & (dk[None, :] < DK))
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     own = (sj[:, None] * 0 + pid) >= P0
@@ -192,7 +187,7 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
         rows = 64 if dmax > 128 else 128
         c = dict(NPI=2 if pow2(lp) <= 64 and dmax <= 128 else 1, rows=rows,
                  num_warps=8 if (kernel == "sel_dkdv" and rows >= 128) else 4, num_stages=2)
-        if kernel in ("sel_fwd", "sel_dq") and pow2(G) <= 8 and dmax <= 128 and q.shape[0] * q.shape[1] >= 16384:
+        if kernel == "sel_fwd" and pow2(G) <= 8 and dmax <= 128 and q.shape[0] * q.shape[1] >= 16384:
             # Block-centric forward for small groups (selected_blocks.py), 128-row chunks. H100, bf16
             # (sweep_selected_blocks_*): m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k
             # 2.14 -> 1.88, 32k 8.74 -> 7.22; it loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1.
@@ -237,17 +232,14 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
-    dq_blocks = lq.get("algo") == "blocks"  # dQ from the dK/dV walk as per-pair partials, then a reduction
-    if not dq_blocks:
-        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
-                                  DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
-                                  ACC=dq_acc is not None, num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+    lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
+    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
+                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
+                              ACC=dq_acc is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     # Inverse index: the (block, token, slot) triples sorted by block, each block's range in them.
     nb = -(-T // slc_block)
     keys, off = pair_keys(block_idx, nb)
     off = off.to(torch.int32)
-    dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device, dtype=torch.float32) if dq_blocks else dq
     ch0 = 1024
     p0 = triton.cdiv(T, ch0)
     bs = c["BS"]
@@ -260,11 +252,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
     bt = max(1, lc["rows"] // gp)
     _sel_bwd_dkdv[(p0 + nb - 1, B * HKV)](
-        q, k, v, do, lse, delta, keys, off, dk, dv, pk, pv, dqp, *strides, T, nb, G, HKV, p0, ch0,
-        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, DQ_PARTIAL=dq_blocks, num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
-    if dq_blocks:
-        reduce_dq(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
+        q, k, v, do, lse, delta, keys, off, dk, dv, pk, pv, *strides, T, nb, G, HKV, p0, ch0,
+        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     l0 = min(slc_block, T)
     dk[:, :l0] = pk.sum(1)[:, :l0].view(B, HKV, l0, DK).transpose(1, 2).to(dk.dtype)
     dv[:, :l0] = pv.sum(1)[:, :l0].view(B, HKV, l0, DV).transpose(1, 2).to(dv.dtype)

@@ -44,8 +44,9 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, sqb, sqt, sqh, skb,
     pair_ok = e < hi
     row_ok = pair_ok & (g < G)
     key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=pair_ok, other=0)
-    slot = key % NSEL
-    t = (key // NSEL) % T
+    tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
+    slot = key - tq * NSEL
+    t = tl.where(pair_ok, tq - blk * T, 0)
     h = kv * G + g
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
@@ -107,31 +108,6 @@ def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.const
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
-@triton.jit
-def _sel_dq_reduce(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
-                   DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
-    """dQ = sm_scale * sum over used slots of the fp32 partials (slots in order: deterministic); ACC adds DQ."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    r = tl.arange(0, BT * GP)
-    t = pid_m * BT + r // GP
-    g = r % GP
-    row_ok = (t < T) & (g < G)
-    dk = tl.arange(0, DKP)
-    acc = tl.zeros([BT * GP, DKP], tl.float32)
-    for s in range(NSEL):
-        used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
-        prow = (((b * T + t) * HKV + kv) * NSEL + s) * G + g
-        acc += tl.load(DQP + prow[:, None] * DK + dk[None, :], mask=(row_ok & used)[:, None] & (dk[None, :] < DK),
-                       other=0.0)
-    acc = acc * sm_scale
-    ptr = DQ + ((b * T + t) * (HKV * G) + kv * G + g)[:, None] * DK + dk[None, :]
-    m = row_ok[:, None] & (dk[None, :] < DK)
-    if ACC:
-        acc += tl.load(ptr, mask=m, other=0.0).to(tl.float32)
-    tl.store(ptr, acc.to(DQ.dtype.element_ty), mask=m)
-
-
 def pair_keys(block_idx: torch.Tensor, nb: int):
     """block_idx [B, HKV, T, n] -> keys [B*HKV, T*n]: block * T*n + t*n + slot sorted (unused slots last, as
     nb * T*n), and off [B*HKV, NB+1] int64: each block's range in keys. Static shapes, no host sync."""
@@ -182,12 +158,3 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict):
                                               DVP=consts["DVP"], num_warps=4)
     return o, lse
 
-
-def reduce_dq(dqp, block_idx, dq, sm_scale: float, acc: bool):
-    """Sum the [B, T, HKV, n, G, Dk] fp32 dQ partials of the block-centric backward into dq [B, T, HQ, Dk]."""
-    B, T, HKV, n, G, DK = dqp.shape
-    gp = pow2(G)
-    mt = max(1, 64 // gp)
-    _sel_dq_reduce[(triton.cdiv(T, mt), B * HKV)](dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, BT=mt, GP=gp,
-                                                  DK=DK, DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)
-    return dq
