@@ -36,11 +36,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
 from nsa_titan.config import ConfigError
 
 MARKER = "nsa_checkpoint.json"
-FORMAT_VERSION = 1
+# 2: host state as JSON in uint8 tensors, no pickled entries. 1 (pickled host state) is refused: loading
+# it would unpickle data from the file.
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Fields that do not change the saved tensors: a run may resume under another attention implementation.
 _ARGS_FREE_TO_CHANGE = ("attn_impl",)
@@ -69,6 +74,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any] | None, 
         return None, f"no {MARKER}: the save did not finish"
     except (OSError, ValueError) as e:
         return None, f"unreadable {MARKER} ({e})"
+    if isinstance(meta, dict) and meta.get("format") != FORMAT_VERSION:
+        return None, (f"{MARKER} says format {meta.get('format')!r}; this nsa_titan reads format {FORMAT_VERSION} "
+                      "(format 1 stored pickled state, which is never loaded: it could run code)")
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or ".metadata" not in files or not isinstance(meta.get("step"), int):
         return None, f"{MARKER} lacks the step or file list"
@@ -229,12 +237,12 @@ class CheckpointManager:
         meta, problem = inspect_checkpoint(path)
         if problem:
             raise RuntimeError(problem)
-        saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = read_metadata_safely(path).state_dict_metadata
+        sizes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
         mine = f"rank{self.rank}"
-        rank_key = mine if f"rank_state.{mine}" in saved_keys else "rank0"
-        state = load_template(live["model"], live["optimizer"], rank_key)
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        rank_key = mine if f"rank_state.{mine}.json" in sizes else "rank0"
+        state = load_template(live["model"], live["optimizer"], rank_key, sizes)
+        load_tensors(state, path, no_dist=not dist.is_initialized())
         return meta, state, rank_key
 
     def _require_live(self) -> dict[str, Any]:
