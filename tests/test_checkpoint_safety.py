@@ -49,7 +49,7 @@ def tamper(folder, name: str, data: bytes) -> None:
     meta = json.loads(marker.read_text())
     entry = meta["files"][name]
     if isinstance(entry, dict):
-        from nsa_titan.checkpoint.manager import file_checksum
+        from nsa_titan.checkpoint.folder import file_checksum
 
         entry.update(size=len(data), crc32=file_checksum(folder / name))
     else:
@@ -100,3 +100,38 @@ def test_checkpoints_hold_no_pickled_entries(tmp_path):
     pickled = [k for k, m in entries.items() if isinstance(m, BytesStorageMetadata)]
     assert not pickled and "trainer" in entries and "rank_state.rank0.json" in entries
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]
+
+
+@pytest.mark.parametrize("fill", [0x00, 0x7F])
+def test_same_size_damage_is_caught_by_the_checksums(tmp_path, fill):
+    """64 KiB overwritten inside the newest checkpoint (sizes unchanged): resume warns and falls back instead of
+    loading other weights (zeros) or NaNs (0x7f bytes), which the non-finite stop would then save as good."""
+    run(ckpt_args(tmp_path), hooks=StopAt(11))
+    folder = tmp_path / "checkpoints"
+    data = max((folder / step_dir_name(10)).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 65536] = bytes([fill]) * len(raw[middle:middle + 65536])
+    data.write_bytes(bytes(raw))
+    _, out = run(ckpt_args(tmp_path, steps=12))
+    assert f"loading checkpoint {folder / step_dir_name(10)} failed" in out and f"file {data.name}: CRC-32" in out
+    assert f"resumed from {folder / step_dir_name(5)}" in out
+    meta = json.loads((folder / step_dir_name(12) / "nsa_checkpoint.json").read_text())
+    assert all(len(e["crc32"]) == 8 for e in meta["files"].values())  # the new saves carry checksums again
+
+
+def test_a_resave_killed_between_its_renames_is_finished_at_start_up(tmp_path):
+    """A re-save of step 10 was killed after the old step-10 was set aside and before the new one was renamed
+    in: the complete .tmp-step-10 is used (not deleted, which would silently restart from an older step), and
+    the .trash folders are removed."""
+    run(ckpt_args(tmp_path), hooks=StopAt(11))
+    folder = tmp_path / "checkpoints"
+    name = step_dir_name(10)
+    shutil.copytree(folder / name, folder / f".tmp-{name}")
+    (folder / name).rename(folder / f".trash-{name}-123-456")
+    shutil.copytree(folder / step_dir_name(5), folder / f".trash-{step_dir_name(5)}-1-2")
+    (folder / f".tmp-{step_dir_name(15)}").mkdir()  # a save that never finished: still removed
+    _, out = run(ckpt_args(tmp_path, steps=12))
+    assert f"renaming it to {name}" in out and f"resumed from {folder / name}" in out
+    assert sorted(p.name for p in folder.iterdir()) == [step_dir_name(5), name, step_dir_name(12)]
+

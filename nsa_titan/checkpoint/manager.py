@@ -2,28 +2,34 @@
 
 Layout under ``<job.dump_folder>/<checkpoint.folder>``::
 
-    step-00000100/          a complete checkpoint: DCP files + .metadata + nsa_checkpoint.json
-    .tmp-step-00000200/     a save in progress (or one killed mid-way): never read, removed at start-up
+    step-00000100/          a complete checkpoint: DCP files + .metadata + nsa_checkpoint.json (the manifest)
+    .tmp-step-00000200/     a save in progress, or one a kill interrupted (see recovery below)
+    .trash-step-...         a folder set aside for deletion; removed at start-up
     export-step-00000300/   model-only bf16 safetensors export (see export.py)
 
 Atomicity: every rank writes into ``.tmp-step-N``; when DCP has finished (its coordinator writes
-``.metadata`` after every rank reported its files), rank 0 writes ``nsa_checkpoint.json`` (step, file
-sizes, model args), fsyncs it and renames the folder to ``step-N``: a rename is atomic, so a reader
-sees either nothing or the whole checkpoint. A SIGKILL at any moment leaves earlier ``step-*``
+``.metadata`` after every rank reported its files), rank 0 writes ``nsa_checkpoint.json`` (step, model
+args, each file's size and CRC-32), fsyncs it and renames the folder to ``step-N``: a rename is atomic,
+so a reader sees either nothing or the whole checkpoint. Re-saving an existing step N (the non-finite
+stop, a run restarted with resume_from none) sets the old ``step-N`` aside, renames the new one in, and
+only then deletes the old one (folder.replace_dir). A SIGKILL at any moment leaves earlier ``step-*``
 folders untouched (pruning by ``keep_latest_k`` runs only after the new one is committed).
 
+Recovery at start-up (rank 0, in ``bind``): a ``.tmp-step-N`` whose manifest is written and whose files
+have the listed sizes is a save that was killed between its last two renames: it is renamed into place
+(replacing ``step-N``); any other ``.tmp-step-N`` is removed, and so is every ``.trash-*`` folder.
+
 Validation on resume: a ``step-N`` folder counts only if its marker parses and every file it lists
-exists with the recorded size; a checkpoint that fails that check, or whose DCP load raises, is
-reported and the next older complete one is tried ('latest'). An explicitly named checkpoint must be
-complete: anything else is a ConfigError naming ``checkpoint.resume_from``.
+exists with the recorded size; before it is loaded, every file's CRC-32 is checked. A checkpoint that
+fails either check, or whose DCP load raises, is reported and the next older complete one is tried
+('latest'). An explicitly named checkpoint must be complete: anything else is a ConfigError naming
+``checkpoint.resume_from``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -38,15 +44,21 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from nsa_titan.checkpoint.folder import (
+    TRASH_PREFIX,
+    checksum_problems,
+    inspect_checkpoint,
+    list_checkpoints,
+    list_unfinished,
+    remove_dir,
+    replace_dir,
+    step_dir_name,
+    write_marker,
+)
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
 from nsa_titan.config import ConfigError
 
-MARKER = "nsa_checkpoint.json"
-# 2: host state as JSON in uint8 tensors, no pickled entries. 1 (pickled host state) is refused: loading
-# it would unpickle data from the file.
-FORMAT_VERSION = 2
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # Fields that do not change the saved tensors: a run may resume under another attention implementation.
 _ARGS_FREE_TO_CHANGE = ("attn_impl",)
 
@@ -59,73 +71,10 @@ def _quiet_single_process():
         yield
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def inspect_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
-    """(marker, None) for a complete checkpoint folder, else (None, what is wrong)."""
-    path = Path(path)
-    if not path.is_dir():
-        return None, "not a folder" if path.exists() else "does not exist"
-    try:
-        meta = json.loads((path / MARKER).read_text())
-    except FileNotFoundError:
-        return None, f"no {MARKER}: the save did not finish"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable {MARKER} ({e})"
-    if isinstance(meta, dict) and meta.get("format") != FORMAT_VERSION:
-        return None, (f"{MARKER} says format {meta.get('format')!r}; this nsa_titan reads format {FORMAT_VERSION} "
-                      "(format 1 stored pickled state, which is never loaded: it could run code)")
-    files = meta.get("files") if isinstance(meta, dict) else None
-    if not isinstance(files, dict) or ".metadata" not in files or not isinstance(meta.get("step"), int):
-        return None, f"{MARKER} lacks the step or file list"
-    for name, size in files.items():
-        try:
-            actual = (path / name).stat().st_size
-        except OSError:
-            return None, f"file {name} is missing"
-        if actual != size:
-            return None, f"file {name} has {actual} bytes, {size} were written"
-    return meta, None
-
-
-def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``step-N`` folders (complete or not) in ascending step order."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
 def model_args_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
             for k in sorted(set(saved) | set(current))
             if k not in _ARGS_FREE_TO_CHANGE and saved.get(k) != current.get(k)]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    """Rename, then delete: a kill mid-delete leaves a hidden .trash folder, never a half-deleted step-N."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -146,10 +95,19 @@ class CheckpointManager:
         self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
         self._async_pg = None
         self.last_saved_step: int | None = None
-        self.candidates = self._resume_candidates()
+        self.candidates = self._resume_candidates(self.log)
+
+    def _latest_folders(self) -> list[tuple[int, Path]]:
+        """Checkpoints newest first, as start-up recovery will leave them: a complete .tmp-step-N (a save
+        killed between its renames) stands for step N."""
+        folders = dict(list_checkpoints(self.folder))
+        for step, tmp in list_unfinished(self.folder):
+            if inspect_checkpoint(tmp)[1] is None:
+                folders[step] = tmp
+        return sorted(folders.items(), reverse=True)
 
     # ---- resume source (before any GPU work) ----
-    def _resume_candidates(self) -> list[Path]:
+    def _resume_candidates(self, log: Callable[[str], None]) -> list[Path]:
         source = str(self.cfg.resume_from).strip()
         if source.lower() in ("none", ""):
             return []
@@ -157,13 +115,13 @@ class CheckpointManager:
             if not self.enabled:
                 return []
             out = []
-            for step, path in reversed(list_checkpoints(self.folder)):
+            for step, path in self._latest_folders():
                 meta, problem = inspect_checkpoint(path)
                 if problem:
-                    self.log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
+                    log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
                     continue
                 if out and self._model_diff(meta):  # an older fallback of another model could never load
-                    self.log(f"WARNING: checkpoint {path} holds another model; it is not a fallback")
+                    log(f"WARNING: checkpoint {path} holds another model; it is not a fallback")
                     continue
                 if not out:
                     self._check_model_args(path, meta)  # the newest one decides: another model is an error
@@ -201,11 +159,26 @@ class CheckpointManager:
             # separate gloo group keeps the two streams of collectives from interleaving on one group.
             self._async_pg = dist.new_group(backend="gloo")
         if self.enabled and self.rank == 0 and self.folder.is_dir():
-            for stale in self.folder.glob(".tmp-step-*"):
-                self.log(f"checkpoint: removing {stale.name}, a save that never completed")
-                _remove(stale)
+            self._recover()
         if distributed:
-            dist.barrier()  # no rank may start writing a .tmp folder that rank 0 is still removing
+            dist.barrier()  # no rank may look at the folder (or write a .tmp) while rank 0 is repairing it
+        if self.enabled:  # recovery renamed folders: resolve again (every rank now sees the same folder)
+            self.candidates = self._resume_candidates(lambda _: None)
+
+    def _recover(self) -> None:
+        """Rank 0: finish saves that a kill interrupted after their manifest was written, drop the others and
+        every folder that was set aside for deletion."""
+        for step, tmp in list_unfinished(self.folder):
+            if inspect_checkpoint(tmp)[1] is None:
+                self.log(f"checkpoint: {tmp.name} is complete (a kill interrupted its commit); renaming it to "
+                         f"{step_dir_name(step)}")
+                replace_dir(tmp, self.folder / step_dir_name(step))
+            else:
+                self.log(f"checkpoint: removing {tmp.name}, a save that never completed")
+                remove_dir(tmp)
+        for trash in self.folder.glob(f"{TRASH_PREFIX}*"):
+            self.log(f"checkpoint: removing {trash.name}, set aside by an earlier run")
+            shutil.rmtree(trash, ignore_errors=True)
 
     def load(self) -> int | None:
         """Restore the newest usable candidate; returns its step, or None when starting fresh."""
@@ -237,6 +210,13 @@ class CheckpointManager:
         meta, problem = inspect_checkpoint(path)
         if problem:
             raise RuntimeError(problem)
+        t0 = time.perf_counter()
+        bad = self._checksum_problems(path, meta)
+        if bad:
+            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}" + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""))
+        size = sum(e["size"] for e in meta["files"].values())
+        self.log(f"checkpoint: CRC-32 of {len(meta['files'])} files ({size / 1e9:.2f} GB) in {path.name} verified in "
+                 f"{time.perf_counter() - t0:.2f}s")
         saved = read_metadata_safely(path).state_dict_metadata
         sizes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
         mine = f"rank{self.rank}"
@@ -244,6 +224,16 @@ class CheckpointManager:
         state = load_template(live["model"], live["optimizer"], rank_key, sizes)
         load_tensors(state, path, no_dist=not dist.is_initialized())
         return meta, state, rank_key
+
+    def _checksum_problems(self, path: Path, meta: dict[str, Any]) -> list[str]:
+        """Every rank checks its share of the files; all ranks get every rank's findings (so that all of them
+        take the same decision: one rank skipping a collective load that the others enter would hang them)."""
+        if not dist.is_initialized() or self.world_size <= 1:
+            return checksum_problems(path, meta)
+        mine = checksum_problems(path, meta, rank=self.rank, world_size=self.world_size)
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)  # once per resume attempt
+        return [p for found in gathered for p in (found or [])]
 
     def _require_live(self) -> dict[str, Any]:
         if self._live is None:
@@ -273,12 +263,12 @@ class CheckpointManager:
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
-                _remove(tmp)
+                remove_dir(tmp)
         if dist.is_initialized():
             dist.barrier()
         host = capture_host_state(live["train_state"], live["scheduler"], live["loader"], live["device"])
         state = dcp_state_dict(live["model"], live["optimizer"], host, self.rank)
-        meta = {"format": FORMAT_VERSION, "step": step, "tokens_seen": live["train_state"].tokens_seen,
+        meta = {"step": step, "tokens_seen": live["train_state"].tokens_seen,
                 "world_size": self.world_size, "model_args": self.model_args,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         t0 = time.perf_counter()
@@ -320,18 +310,10 @@ class CheckpointManager:
             return
         if self.hooks is not None:
             self.hooks.before_checkpoint_commit(step, tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        marker = tmp / MARKER
-        with open(marker, "w") as f:
-            json.dump({**meta, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = self.folder / step_dir_name(step)
-        if final.exists():  # e.g. a run restarted with resume_from none: the new save replaces the old one
-            _remove(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.folder)
+        write_marker(tmp, meta)  # sizes and CRC-32 of every file: read back now, checked before each load
+        # An existing step-N (a run restarted with resume_from none, the non-finite stop's re-save) is set
+        # aside, not deleted, until the new one is in place.
+        replace_dir(tmp, self.folder / step_dir_name(step))
         self._prune()
 
     def _prune(self) -> None:
@@ -344,7 +326,7 @@ class CheckpointManager:
         oldest_kept = complete[-k][0]
         for step, path in list_checkpoints(self.folder):
             if step < oldest_kept:
-                _remove(path)
+                remove_dir(path)
 
     def close(self) -> None:
         """Finish any background save (call on every exit path that keeps the process alive)."""
