@@ -118,6 +118,7 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
 
 def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict[str, Any]:
     """Run training; returns the summary dict (rank 0; other ranks get {}). ``hooks``: fault injection (tests)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     job_config = load_job_config(argv)
     validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
     world = world_from_env()
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     model_args = resolve_model_args(job_config, tokenizer.vocab_size)
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
-                     log=functools.partial(_print0, world), hooks=hooks)
+                     log=functools.partial(_print0, world), hooks=hooks, argv=argv)
     model = build_training_model(job_config, model_args, device, world, parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import time
 
 import pytest
@@ -97,6 +99,34 @@ def test_nonfinite_stop_saves_last_good_state_and_resume_is_exact(tmp_path):
     assert same(cap.weights, hooks.weights[3])  # the saved weights are those after step 2
     want, got = losses(clean), losses(dump)
     assert sorted(got) == list(range(3, steps + 1)) and all(got[s] == want[s] for s in got), (want, got)
+
+
+def _lrs(dump) -> dict[int, float]:
+    recs = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in recs if r["type"] == "train"}
+
+
+def test_the_nonfinite_stop_names_a_resume_command_whose_lr_wins(tmp_path):
+    """Exit 3's message names a command; run as given, it resumes from the saved state with the lower lr (this
+    run's settings win over the saved ones, with a log line); keep_saved_hyperparams keeps the saved lr."""
+    from nsa_titan.components.lr_scheduler import lr_factor
+
+    argv = ckpt_args(tmp_path, "--optimizer.lr", "1e-2", "--metrics.log_freq", "4", steps=8, interval=100)
+    with pytest.raises(NonFiniteError) as info:
+        run(argv, hooks=InjectNaN(3))
+    command = re.search(r"replace the saved ones\): (.*) \(or pass --fault", str(info.value)).group(1)
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "nsa_titan.train"], command
+    assert words[-4:] == ["--optimizer.lr", "0.001", "--checkpoint.resume_from", str(info.value.saved)], command
+    _, out = run(words[3:])
+    assert "this run's settings replace the saved ones: optimizer.lr 0.01 -> 0.001" in out
+    factor = lr_factor(3, warmup_steps=2, total_steps=8, decay_type="cosine", min_lr_ratio=0.1, wsd_decay_ratio=0.2)
+    assert _lrs(tmp_path)[4] == 1e-3 * factor  # the lr of step 4 (a log step; index 3 of the schedule)
+
+    _, out = run([*words[3:], "--checkpoint.keep_saved_hyperparams"])
+    assert "keeping the saved hyper-parameters (checkpoint.keep_saved_hyperparams), not this run's: optimizer.lr " \
+           "0.01 (this run: 0.001)" in out
+    assert _lrs(tmp_path)[4] == 1e-2 * factor
 
 
 def test_nonfinite_check_every_step_stops_at_the_bad_step(tmp_path):

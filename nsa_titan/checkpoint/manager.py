@@ -197,7 +197,8 @@ class CheckpointManager:
             apply_loaded(state, rank_key, model=live["model"], optimizer=live["optimizer"],
                          scheduler=live["scheduler"], loader=live["loader"], train_state=live["train_state"],
                          device=live["device"], saved_world_size=int(meta.get("world_size", 1)),
-                         world_size=self.world_size, log=self.log)
+                         world_size=self.world_size, keep_saved_hyperparams=self.cfg.keep_saved_hyperparams,
+                         log=self.log)
             self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} rank(s))")
             self.last_saved_step = int(meta["step"])
             return self.last_saved_step

@@ -34,6 +34,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 # Param-group keys that choose the optimizer's implementation, not its hyper-parameters: the running
 # optimizer's own choice wins over the saved one (a foreach checkpoint may resume under the fused kernel).
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+# Param-group hyper-parameters and the config key each comes from. On resume this run's values win over the
+# saved ones (the usual reason to resume with other settings is a failure they caused, e.g. the non-finite
+# stop at too high an lr), unless checkpoint.keep_saved_hyperparams. initial_lr is the peak lr that the
+# LR schedule scales (its base_lrs); the schedule's shape always comes from this run's [lr_scheduler].
+_HYPERPARAM_KEYS = {"initial_lr": "optimizer.lr", "betas": "optimizer.betas", "eps": "optimizer.eps",
+                    "weight_decay": "optimizer.weight_decay"}
 
 
 def state_dict_options() -> StateDictOptions:
@@ -96,11 +102,31 @@ def _set_train_state(train_state: TrainState, values: dict[str, Any]) -> None:
         setattr(train_state, f.name, getattr(fresh, f.name))
 
 
-def _load_scheduler(scheduler: Any, optimizer: Any, state: dict[str, Any]) -> None:
+def _load_scheduler(scheduler: Any, optimizer: Any, state: dict[str, Any], base_lrs: list[float] | None = None) -> None:
+    """Restore the schedule's position; ``base_lrs``: this run's peak lrs instead of the saved ones."""
     scheduler.load_state_dict(state)
-    # The lr each group steps with must be the schedule's value for the restored step.
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+    if base_lrs is not None:
+        scheduler.base_lrs = list(base_lrs)
+    # The lr each group steps with is the schedule's value for the restored step, computed as LambdaLR does.
+    lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() returns: the lr of the next step
+
+
+def _hyperparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in _HYPERPARAM_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def hyperparam_changes(saved: list[dict[str, Any]], mine: list[dict[str, Any]]) -> list[str]:
+    """'optimizer.lr 0.01 -> 0.001' for each hyper-parameter that differs in some param group (first one shown)."""
+    out = []
+    for key, name in _HYPERPARAM_KEYS.items():
+        pair = next(((a[key], b[key]) for a, b in zip(saved, mine) if key in a and key in b and a[key] != b[key]), None)
+        if pair is not None:
+            fmt = (lambda v: ",".join(f"{x:g}" for x in v)) if key == "betas" else (lambda v: f"{v:g}")
+            out.append(f"{name} {fmt(pair[0])} -> {fmt(pair[1])}")
+    return out
 
 
 def _json_tensor(value: Any) -> torch.Tensor:
@@ -175,9 +201,10 @@ def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, rank_key: 
 
 def apply_loaded(loaded: dict[str, Any], rank_key: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, loader: Any, train_state: TrainState, device: torch.device,
-                 saved_world_size: int, world_size: int, log=print) -> None:
+                 saved_world_size: int, world_size: int, keep_saved_hyperparams: bool = False, log=print) -> None:
     """Push a filled ``load_template`` into the live objects."""
     impl = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    mine, my_base_lrs = _hyperparams(optimizer), list(scheduler.base_lrs)
     trainer = _from_json_tensor(loaded["trainer"])
     # Param-group values for every key the live optimizer has: the saved one (JSON lists back to tuples,
     # e.g. betas), or the live one where the checkpoint has none.
@@ -189,13 +216,24 @@ def apply_loaded(loaded: dict[str, Any], rank_key: str, *, model: nn.Module, opt
                    optim_state_dict={**loaded["optimizer"], **plain}, options=state_dict_options())
     for group, keep in zip(optimizer.param_groups, impl):
         group.update(keep)
+    changes = hyperparam_changes(_hyperparams(optimizer), mine)
+    if keep_saved_hyperparams:
+        if changes:
+            log(f"checkpoint: keeping the saved hyper-parameters (checkpoint.keep_saved_hyperparams), not this "
+                f"run's: {'; '.join(c.replace(' -> ', ' (this run: ') + ')' for c in changes)}")
+    else:
+        for group, values in zip(optimizer.param_groups, mine):
+            group.update(values)
+        if changes:
+            log(f"checkpoint: this run's settings replace the saved ones: {'; '.join(changes)} "
+                "(--checkpoint.keep_saved_hyperparams keeps the saved ones)")
     _set_train_state(train_state, trainer["train_state"])
-    _load_scheduler(scheduler, optimizer, trainer["lr_scheduler"])
-    mine = loaded["rank_state"][rank_key]
-    rank_state = _from_json_tensor(mine["json"])
+    _load_scheduler(scheduler, optimizer, trainer["lr_scheduler"], None if keep_saved_hyperparams else my_base_lrs)
+    rank_files = loaded["rank_state"][rank_key]
+    rank_state = _from_json_tensor(rank_files["json"])
     if saved_world_size == world_size:
         loader.load_state_dict(rank_state["loader"])
-        set_rng_state(_rng_from_saved(rank_state["rng"], mine), device)
+        set_rng_state(_rng_from_saved(rank_state["rng"], rank_files), device)
     else:
         loader.load_state_dict(reshard_loader_state(rank_state["loader"], loader.state_dict()))
         log(f"checkpoint: saved by {saved_world_size} rank(s), resumed on {world_size}: model, optimizer, LR "

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from nsa_titan.checkpoint import CheckpointManager, TrainState, capture_host_state, restore_host_state
-from nsa_titan.components.failure import NonFiniteError, NonFiniteGuard, TrainHooks, collective_failure_hint
+from nsa_titan.components.failure import (
+    NonFiniteError,
+    NonFiniteGuard,
+    TrainHooks,
+    collective_failure_hint,
+    suggest_command,
+)
 from nsa_titan.components.watchdog import Watchdog, describe_peers
 from nsa_titan.config import ConfigError
 
@@ -41,8 +47,10 @@ def shared_run_id() -> str:
 
 class Resilience:
     def __init__(self, job_config: Any, *, rank: int, world_size: int, model_args: Any,
-                 log: Callable[[str], None] = print, hooks: TrainHooks | None = None):
+                 log: Callable[[str], None] = print, hooks: TrainHooks | None = None, argv: list[str] | None = None):
+        """argv: the command-line arguments of the run, for the commands that failure messages suggest."""
         self.cfg = job_config
+        self.argv = list(argv or [])
         self.rank, self.world_size = rank, world_size
         self.log = log
         self.hooks = hooks or TrainHooks()
@@ -137,10 +145,18 @@ class Resilience:
         saved = None
         if self.ckpt.enabled:
             saved = self.ckpt.save(self.train_state.step)
-        where = (f"saved the last good state (step {self.train_state.step}) to {saved}" if saved else
-                 "checkpointing is off (checkpoint.enable), so nothing was saved")
-        raise NonFiniteError(f"{message}; {where}. Resume after a fix (e.g. a lower optimizer.lr) or use "
-                             "--fault.nonfinite skip", step=report.first_step, saved=saved)
+        lower = {"optimizer.lr": f"{self.cfg.optimizer.lr / 10:g}"}
+        if saved:
+            command = suggest_command(self.argv, {**lower, "checkpoint.resume_from": str(saved)}, self.world_size)
+            advice = (f"saved the last good state (step {self.train_state.step}) to {saved}. To resume from it with a "
+                      f"lower learning rate (on resume, this run's [optimizer] settings replace the saved ones): "
+                      f"{command}")
+        else:
+            command = suggest_command(self.argv, lower, self.world_size)
+            advice = ("checkpointing is off (checkpoint.enable), so nothing was saved. To start again with a lower "
+                      f"learning rate: {command}")
+        raise NonFiniteError(f"{message}; {advice} (or pass --fault.nonfinite skip to drop bad steps and go on)",
+                             step=report.first_step, saved=saved)
 
     # ---- end ----
     def finish(self) -> Path | None:

@@ -109,6 +109,11 @@ class Checkpoint:
     """'latest': the newest complete checkpoint in the folder, if any (needs checkpoint.enable; corrupt or
     partial ones are reported and skipped); 'none': start fresh; or a checkpoint folder (a path, or a name
     such as step-00000100 inside the folder), which must be complete."""
+    keep_saved_hyperparams: bool = False
+    """On resume, keep the optimizer hyper-parameters saved in the checkpoint (lr, betas, eps, weight_decay)
+    instead of this run's settings. Off: this run's [optimizer] values win (a log line lists what changed),
+    so e.g. a resume after the non-finite stop can lower optimizer.lr. The LR schedule's shape
+    ([lr_scheduler], training.steps) is always this run's."""
     export_at_end: bool = False
     """After the last step, also write model.safetensors (Hugging Face style names) + config.json for
     inference into <folder>/export-step-N (needs the `safetensors` package)."""
