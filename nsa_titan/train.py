@@ -26,6 +26,7 @@ from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.preemption import EXIT_INTERRUPTED, Preempted
 from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
@@ -117,7 +118,8 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
 
 
 def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict[str, Any]:
-    """Run training; returns the summary dict (rank 0; other ranks get {}). ``hooks``: fault injection (tests)."""
+    """Run training; returns the summary dict (rank 0; other ranks get {} or, after a stop signal, its
+    ``exit_code``). ``hooks``: fault injection (tests)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     job_config = load_job_config(argv)
     validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                    f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")
     profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
                              log=lambda m: print(m, flush=True), start_step=first_step)
-    steps_done, interrupted, error = first_step - 1, False, None
+    steps_done, interrupted, error, stop = first_step - 1, False, None, {}
     try:
         profiler.start()
         for step in range(first_step, tc.steps + 1):
@@ -215,8 +217,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                 res.progress()
             profiler.step(step)  # profiler schedule and requested memory snapshots, between steps
         res.finish()  # wait for a background save; model export
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Ctrl-C twice, or SIGTERM / SIGINT handled after a step (Preempted)
         interrupted, error = True, e
+        stop = ({"stop_signal": e.signame, "checkpoint": None if e.saved is None else str(e.saved),
+                 "exit_code": e.exit_code} if isinstance(e, Preempted) else {"exit_code": EXIT_INTERRUPTED})
         _print0(world, f"interrupted after {steps_done} completed step(s); writing the summary")
     except BaseException as e:
         error = e
@@ -240,10 +244,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     if dist.is_initialized():
         dist.destroy_process_group()
     if not world.is_main:
-        return {}
+        return stop
     summary = write_summary(dump / "summary.json", logger, steps_done=steps_done, interrupted=interrupted,
                             device=device, job_config=job_config, model_args=model_args, model_info=model_info,
-                            extra={"compile": compile_stats})
+                            extra={"compile": compile_stats, **stop})
     tps = summary["tokens_per_s"]
     _print0(world, f"done: {steps_done} steps, loss {summary['initial_loss']} -> {summary['final_loss']}, "
                    f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s; summary in {dump / 'summary.json'}")
@@ -259,4 +263,4 @@ if __name__ == "__main__":
     except TrainingFailure as e:  # detected by the trainer (e.g. a non-finite loss): the message says what to do
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    sys.exit(130 if result.get("interrupted") else 0)
+    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see components/preemption.py)

@@ -281,3 +281,56 @@ def test_collective_timeout_reaches_init_process_group(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         run(args(tmp_path, "--fault.collective_timeout_s", "42"))
     assert seen["timeout"] == datetime.timedelta(seconds=42)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
+    """SIGTERM during step 4 (as a scheduler's preemption): step 4 completes, is saved, the summary is written
+    and the run ends with exit code 143, not at once with nothing saved."""
+    import signal
+
+    class Term(TrainHooks):
+        def on_step_start(self, step):
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def unhandled(signum, frame):  # what runs if the trainer installed no handler (instead of killing pytest)
+        raise AssertionError("SIGTERM reached the test's own handler: the run did not handle it")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        summary, out = run(ckpt_args(tmp_path, steps=50, interval=100), hooks=Term())
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # the run put the previous handler back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert summary["interrupted"] and summary["steps"] == 4 and summary["exit_code"] == 143
+    assert summary["stop_signal"] == "SIGTERM" and summary["checkpoint"] == str(tmp_path / "checkpoints" /
+                                                                                 step_dir_name(4))
+    assert inspect_checkpoint(tmp_path / "checkpoints" / step_dir_name(4))[1] is None
+    assert json.loads((tmp_path / "summary.json").read_text())["exit_code"] == 143
+    assert "SIGTERM: stopped after step 4" in out
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    res = run_ranks("sigterm_step", 3, ckpt_args(tmp_path / "dump", steps=50, interval=100), tmp_path=tmp_path,
+                    worker_opts=("--rank-only", "1"), timeout=240)
+    assert [r["returncode"] for r in res] == [143, 143], explain(res)
+    assert inspect_checkpoint(tmp_path / "dump" / "checkpoints" / step_dir_name(3))[1] is None, explain(res)
+    assert json.loads((tmp_path / "dump" / "summary.json").read_text())["steps"] == 3
+
+
+def test_stop_grace_time_bounds_the_exit(tmp_path):
+    """Past fault.stop_grace_s the process exits with the signal's code even if the save has not finished; a
+    second Ctrl-C interrupts at once."""
+    import signal
+
+    from nsa_titan.components.preemption import StopSignals
+
+    codes = []
+    stop = StopSignals(grace_s=0.2, rank=0, world_size=1, exit_fn=codes.append)
+    stop._handle(signal.SIGTERM, None)
+    assert stop.agreed() == signal.SIGTERM and _wait_for(codes, 5.0) == [143]
+    stop = StopSignals(grace_s=30, rank=0, world_size=1, exit_fn=codes.append)
+    stop._handle(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)
+    stop.restore()

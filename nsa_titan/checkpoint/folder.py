@@ -10,6 +10,7 @@ files can rewrite the marker too (see safe_load.py for what loading refuses to t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -161,3 +162,69 @@ def replace_dir(new: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_probe(path: Path) -> None:
+    with open(path, "xb") as f:
+        f.write(b"\0" * 4096)
+        f.flush()
+        os.fsync(f.fileno())
+    os.unlink(path)
+
+
+def _errors(exc: BaseException):
+    """exc, its causes, and (for DCP's CheckpointException) every rank's error and their causes."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in (getattr(e, "failures", None) or {}).values()]
+
+
+def describe_write_error(folder: Path, exc: BaseException, need_bytes: int = 0) -> str | None:
+    """What keeps ``folder`` from being written, in words (disk full, read-only, no permission, a file in the
+    way), or None when the error is something else. torch's writer reports a full disk only as
+    "unexpected pos N vs M", so a full disk is also recognised by the free space left."""
+    codes = {getattr(e, "errno", None) for e in _errors(exc)} - {None}
+    base = _existing_parent(folder)
+    if codes & {errno.EROFS}:
+        return f"{folder} is on a read-only file system"
+    if codes & {errno.EACCES, errno.EPERM}:
+        return f"{folder} is not writable by this user (permission denied)"
+    if codes & {errno.ENOTDIR, errno.EEXIST} and base.is_file():
+        return f"{base} is a file, not a folder"
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return None
+    if not codes & {errno.ENOSPC, errno.EDQUOT} and (codes or free >= max(need_bytes, 1 << 20)):
+        return None  # another OS error (reported as it is), or enough space: not a full disk
+    need = f", about {_size(need_bytes)} were to be written" if need_bytes else ""
+    return f"the disk holding {folder} is full ({_size(free)} free{need})"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable_problem(folder: str | os.PathLike) -> str | None:
+    """None when a file can be created, written, fsynced and removed in ``folder`` (created if missing), else
+    what is wrong: checked at start-up so that a read-only or full disk fails now, not at the first save."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_probe(folder / f".write-test-{os.getpid()}-{time.monotonic_ns()}")
+    except OSError as e:
+        return describe_write_error(folder, e) or f"{folder} cannot be written ({e.strerror or e})"
+    return None

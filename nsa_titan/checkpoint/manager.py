@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from nsa_titan.checkpoint.folder import (
     TRASH_PREFIX,
     checksum_problems,
+    describe_write_error,
     inspect_checkpoint,
     list_checkpoints,
     list_unfinished,
@@ -54,10 +55,22 @@ from nsa_titan.checkpoint.folder import (
     replace_dir,
     step_dir_name,
     write_marker,
+    writable_problem,
 )
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
+from nsa_titan.components.failure import TrainingFailure
 from nsa_titan.config import ConfigError
+
+class CheckpointWriteError(TrainingFailure):
+    """A save failed because the checkpoint folder cannot take it (disk full, read-only, no permission)."""
+
+
+def _state_bytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
 
 # Fields that do not change the saved tensors: a run may resume under another attention implementation.
 _ARGS_FREE_TO_CHANGE = ("attn_impl",)
@@ -95,6 +108,10 @@ class CheckpointManager:
         self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
         self._async_pg = None
         self.last_saved_step: int | None = None
+        problem = writable_problem(self.folder) if self.enabled else None
+        if problem:  # found now, not at the first save (up to checkpoint.interval steps later)
+            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass --checkpoint.folder "
+                              "(an absolute path, or relative to job.dump_folder) on a writable disk")
         self.candidates = self._resume_candidates(self.log)
 
     def _latest_folders(self) -> list[tuple[int, Path]]:
@@ -279,12 +296,28 @@ class CheckpointManager:
             self._pending = (future, step, tmp, meta)
             self.log(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background")
         else:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=no_dist)
-            self._commit(step, tmp, meta)
+            try:
+                with _quiet_single_process():
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=no_dist)
+                self._commit(step, tmp, meta)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - named when it is the disk, else re-raised
+                self._raise_named(step, tmp, e, _state_bytes(state) * self.world_size)
             self.log(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - t0:.2f}s")
         self.last_saved_step = step
         return final
+
+    def _raise_named(self, step: int, tmp: Path, error: BaseException, need_bytes: int) -> None:
+        """A save that failed because of the disk (full, read-only, no permission) ends the run with a message
+        saying so and what to do; any other error is re-raised as it is."""
+        problem = describe_write_error(self.folder, error, need_bytes)
+        if problem is None:
+            raise error
+        if self.rank == 0:
+            remove_dir(tmp)  # its partial files only take space; start-up would remove them anyway
+        kept = f"step {self.last_saved_step}" if self.last_saved_step is not None else "none"
+        raise CheckpointWriteError(f"saving checkpoint step {step} failed: {problem}. Free space or fix the folder, "
+                                   f"lower checkpoint.keep_latest_k, or pass --checkpoint.folder on another disk; the "
+                                   f"last complete checkpoint ({kept}) is intact") from error
 
     def poll(self) -> None:
         """Commit a finished background save; never blocks (future.done() is a host flag)."""
@@ -299,9 +332,10 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
+            self._commit(step, tmp, meta)
+        except (Exception, CheckpointException) as e:
+            self._raise_named(step, tmp, e, 0)
             raise RuntimeError(f"background checkpoint save of step {step} to {tmp} failed: {e}") from e
-        self._commit(step, tmp, meta)
         self.log(f"checkpoint: saved step {step} to {self.folder / step_dir_name(step)} (background)")
 
     def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:

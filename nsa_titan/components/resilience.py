@@ -16,6 +16,7 @@ when the user opted in with ``fault.nonfinite_check_every_step``.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -25,7 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nsa_titan.checkpoint import CheckpointManager, TrainState, capture_host_state, restore_host_state
+from nsa_titan.checkpoint import (
+    CheckpointManager,
+    TrainState,
+    capture_host_state,
+    restore_host_state,
+    step_dir_name,
+)
+from nsa_titan.checkpoint.folder import writable_problem
 from nsa_titan.components.failure import (
     NonFiniteError,
     NonFiniteGuard,
@@ -33,6 +41,7 @@ from nsa_titan.components.failure import (
     collective_failure_hint,
     suggest_command,
 )
+from nsa_titan.components.preemption import Preempted, StopSignals
 from nsa_titan.components.watchdog import Watchdog, describe_peers
 from nsa_titan.config import ConfigError
 
@@ -59,6 +68,9 @@ class Resilience:
             raise ConfigError(f"optimizer.fused: false, but fault.nonfinite={job_config.fault.nonfinite!r} drops bad "
                               "updates on device through the fused AdamW kernel; use --optimizer.fused auto, or "
                               "--fault.nonfinite off")
+        problem = writable_problem(self.dump) if rank == 0 else None
+        if problem:  # metrics, summary and heartbeats go there: fail before any model is built
+            raise ConfigError(f"job.dump_folder: {problem}; pass a writable --job.dump_folder")
         args = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
         # Resolves (and checks) the resume source now: a bad checkpoint path fails before any model is built.
         self.ckpt = CheckpointManager(job_config.checkpoint, dump_folder=self.dump, rank=rank, world_size=world_size,
@@ -66,6 +78,7 @@ class Resilience:
         self.train_state = TrainState()
         self.guard: NonFiniteGuard | None = None
         self.watchdog: Watchdog | None = None
+        self.signals: StopSignals | None = None
         self._live: dict[str, Any] = {}
 
     @property
@@ -89,6 +102,8 @@ class Resilience:
                                  first_step_timeout_s=fc.watchdog_first_step_timeout_s,
                                  heartbeat_interval_s=fc.heartbeat_interval_s, peer_timeout_s=fc.peer_timeout_s,
                                  run_id=shared_run_id()).start()
+        self.signals = StopSignals(grace_s=fc.stop_grace_s, rank=self.rank, world_size=self.world_size,
+                                   log=self.log).install()
         self.hooks.on_train_start({**self._live, "train_state": self.train_state, "checkpoint": self.ckpt})
         return self.train_state.step + 1
 
@@ -118,6 +133,22 @@ class Resilience:
             self.ckpt.maybe_save(step, last=last)  # also commits a finished background save (no waiting)
             if saving:
                 self.watchdog.progress()
+        if self.signals.agreed():
+            self._stop_on_signal(step)
+
+    def _stop_on_signal(self, step: int) -> None:
+        """SIGTERM / SIGINT arrived during this step (on some rank): save it and end the run."""
+        self._check_nonfinite()  # never save a state the guard has not vetted (raises on a bad step)
+        saved = None
+        if self.ckpt.enabled:
+            if self.ckpt.last_saved_step != step:
+                self.ckpt.save(step)
+            self.ckpt.wait()
+            saved = self.ckpt.folder / step_dir_name(step)
+        name = signal.Signals(self.signals.signum).name
+        self.log(f"{name}: stopped after step {step}" + (f"; checkpoint {saved}" if saved else
+                                                         " (checkpointing is off: nothing saved)"))
+        raise Preempted(name, self.signals.exit_code(), step, saved)
 
     def progress(self) -> None:
         """After long non-step work (evaluation)."""
@@ -168,6 +199,8 @@ class Resilience:
 
     def close(self, error: BaseException | None = None) -> None:
         """Every exit path: finish a background save, leave a final heartbeat ('failed' tells the peers)."""
+        if self.signals is not None:
+            self.signals.restore()
         try:
             if error is None or isinstance(error, (KeyboardInterrupt, NonFiniteError)):
                 self.ckpt.close()
