@@ -84,11 +84,12 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     return parallelize_nsa(model, parallel_dims, job_config, device)
 
 
-def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims) -> list[dict[str, torch.Tensor]]:
+def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims, dp_rank: int,
+                       report) -> list[dict[str, torch.Tensor]]:
     """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              rank=dims.dp_rank(), world_size=dims.dp_degree, seed=tc.seed, split="val")
+                              rank=dp_rank, world_size=dims.dp_degree, seed=tc.seed, split="val", report=report)
     return [next(loader) for _ in range(job_config.metrics.val_steps)]
 
 
@@ -122,7 +123,11 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     ``exit_code``). ``hooks``: fault injection (tests)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     job_config = load_job_config(argv)
-    validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
+    try:  # a config error (exit 2, no traceback), before any GPU work; not in load_job_config, which
+        # generate / eval also use with training configs whose steps do not matter to them
+        validate_schedule(job_config.lr_scheduler, job_config.training.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     world = world_from_env()
     # Degrees are checked against the world size before any process group or GPU work.
     parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism,
@@ -142,6 +147,23 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
                      log=functools.partial(_print0, world), hooks=hooks, argv=argv)
+    # Data before the model: an unusable corpus (empty, not text, too short for seq_len) is a config error
+    # now, not after the model is built (and compiled) on the GPU.
+    # Common seed on every rank: the loader shards by its explicit (data-parallel) rank argument, and a
+    # per-rank seed would give ranks different document orders, i.e. overlapping shards.
+    warn = functools.partial(_print0, world, "WARNING:")
+    # The data rank is the global rank (data parallelism only); from the environment, as the process group
+    # is created later, with the model's device mesh.
+    dp_rank = world.rank if parallel_dims.dp_enabled else 0
+    try:
+        train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
+                                        local_batch_size=tc.local_batch_size, rank=dp_rank,
+                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn)
+        val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn) if mc.val_freq > 0 else []
+    except ConfigError:
+        raise
+    except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
+        raise ConfigError(str(e)) from None
     model = build_training_model(job_config, model_args, device, world, parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
@@ -164,12 +186,6 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     with full_param_shapes(model):  # FSDP1 flattens parameters; decay groups are chosen by their real shapes
         optimizer = build_optimizer(model, job_config.optimizer, device.type, require_fused=res.needs_fused_optimizer)
     scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
-    # Common seed on every rank: the loader shards by its explicit (data-parallel) rank argument, and a
-    # per-rank seed would give ranks different document orders, i.e. overlapping shards.
-    train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
-                                    local_batch_size=tc.local_batch_size, rank=parallel_dims.dp_rank(),
-                                    world_size=parallel_dims.dp_degree, seed=tc.seed, split="train")
-    val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims) if mc.val_freq > 0 else []
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
 

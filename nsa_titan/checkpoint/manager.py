@@ -96,11 +96,14 @@ class CheckpointManager:
 
     def __init__(self, cfg: Any, *, dump_folder: str | os.PathLike, rank: int = 0, world_size: int = 1,
                  model_args: dict[str, Any] | None = None, log: Callable[[str], None] = print,
-                 hooks: Any = None):
+                 hooks: Any = None, data_args: dict[str, Any] | None = None):
+        """data_args: the settings that define the data stream ({"training.seq_len": 512, "data.dataset": ...}),
+        saved with each checkpoint; resuming with other values is a ConfigError (the position would be wrong)."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.rank, self.world_size = rank, world_size
         self.model_args = model_args or {}
+        self.data_args = data_args or {}
         self.log = log
         self.hooks = hooks
         self.enabled = bool(cfg.enable)
@@ -137,8 +140,8 @@ class CheckpointManager:
                 if problem:
                     log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
                     continue
-                if out and self._model_diff(meta):  # an older fallback of another model could never load
-                    log(f"WARNING: checkpoint {path} holds another model; it is not a fallback")
+                if out and (self._model_diff(meta) or self._data_diff(meta)):  # a fallback that could never load
+                    log(f"WARNING: checkpoint {path} holds another model or data settings; it is not a fallback")
                     continue
                 if not out:
                     self._check_model_args(path, meta)  # the newest one decides: another model is an error
@@ -155,6 +158,11 @@ class CheckpointManager:
         self._check_model_args(path, meta)
         return [path]
 
+    def _data_diff(self, meta: dict[str, Any]) -> list[str]:
+        saved = meta.get("data") or {}
+        return [f"{k}: checkpoint {saved[k]!r}, this run {v!r}" for k, v in self.data_args.items()
+                if k in saved and saved[k] != v]
+
     def _model_diff(self, meta: dict[str, Any]) -> list[str]:
         return model_args_mismatch(meta.get("model_args", {}), self.model_args) if self.model_args else []
 
@@ -164,6 +172,11 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint.resume_from: {path} holds another model ({'; '.join(diff)}); resume with "
                               "the same [model] settings, or start fresh with --checkpoint.resume_from none "
                               "(or another --job.dump_folder)")
+        diff = self._data_diff(meta)
+        if diff:
+            raise ConfigError(f"checkpoint.resume_from: {path} was saved with other data settings ({'; '.join(diff)}), "
+                              "so its data position means nothing here; resume with the same settings, or start fresh "
+                              "with --checkpoint.resume_from none (or another --job.dump_folder)")
 
     # ---- live objects ----
     def bind(self, *, model, optimizer, scheduler, loader, train_state: TrainState, device: torch.device) -> None:
@@ -287,7 +300,7 @@ class CheckpointManager:
         host = capture_host_state(live["train_state"], live["scheduler"], live["loader"], live["device"])
         state = dcp_state_dict(live["model"], live["optimizer"], host, self.rank)
         meta = {"step": step, "tokens_seen": live["train_state"].tokens_seen,
-                "world_size": self.world_size, "model_args": self.model_args,
+                "world_size": self.world_size, "model_args": self.model_args, "data": self.data_args,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         t0 = time.perf_counter()
         no_dist = not dist.is_initialized()

@@ -16,6 +16,7 @@ when the user opted in with ``fault.nonfinite_check_every_step``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import uuid
@@ -54,6 +55,19 @@ def shared_run_id() -> str:
     return run_id[0]
 
 
+def data_identity(job_config: Any) -> dict[str, Any]:
+    """The settings that define the data stream a checkpoint's loader position refers to (not the world size:
+    a resume on another number of ranks reshards the position)."""
+    d, tc = job_config.data, job_config.training
+    path = os.path.abspath(d.path) if d.path and os.path.exists(d.path) else d.path
+    out = {"training.seq_len": tc.seq_len, "training.seed": tc.seed, "data.dataset": d.dataset, "data.path": path,
+           "data.tokenizer": d.tokenizer, "data.val_fraction": d.val_fraction, "data.retrieval_mix": d.retrieval_mix}
+    if d.dataset == "retrieval" or d.retrieval_mix > 0:
+        out.update({f"data.{k}": getattr(d, k) for k in ("retrieval_num_pairs", "retrieval_key_len",
+                                                          "retrieval_value_len")})
+    return out
+
+
 class Resilience:
     def __init__(self, job_config: Any, *, rank: int, world_size: int, model_args: Any,
                  log: Callable[[str], None] = print, hooks: TrainHooks | None = None, argv: list[str] | None = None):
@@ -74,7 +88,7 @@ class Resilience:
         args = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
         # Resolves (and checks) the resume source now: a bad checkpoint path fails before any model is built.
         self.ckpt = CheckpointManager(job_config.checkpoint, dump_folder=self.dump, rank=rank, world_size=world_size,
-                                      model_args=args, log=log, hooks=self.hooks)
+                                      model_args=args, log=log, hooks=self.hooks, data_args=data_identity(job_config))
         self.train_state = TrainState()
         self.guard: NonFiniteGuard | None = None
         self.watchdog: Watchdog | None = None
