@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         _print0(world, f"interrupted after {steps_done} completed step(s); writing the summary")
     except BaseException as e:
         error = e
+        peer = res.peer_failure(e)  # another rank is gone: exit 5 naming it (python -m nsa_titan.train)
+        if peer is not None:
+            raise peer from e
         hint = collective_failure_hint(e, world.world_size)
         if hint:
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)

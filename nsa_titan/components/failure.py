@@ -46,6 +46,12 @@ class TrainingFailure(RuntimeError):
     exit_code = EXIT_FAILURE
 
 
+class PeerFailure(TrainingFailure):
+    """Another rank died, hung or failed; this one stops too (exit 5, as the watchdog's peer check)."""
+
+    exit_code = EXIT_PEER_FAILED
+
+
 class NonFiniteError(TrainingFailure):
     exit_code = EXIT_NONFINITE
 

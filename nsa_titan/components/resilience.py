@@ -19,6 +19,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +39,13 @@ from nsa_titan.checkpoint.folder import writable_problem
 from nsa_titan.components.failure import (
     NonFiniteError,
     NonFiniteGuard,
+    PeerFailure,
     TrainHooks,
     collective_failure_hint,
     suggest_command,
 )
 from nsa_titan.components.preemption import Preempted, StopSignals
-from nsa_titan.components.watchdog import Watchdog, describe_peers
+from nsa_titan.components.watchdog import Watchdog, describe_peers, find_dead_peer
 from nsa_titan.config import ConfigError
 
 
@@ -210,6 +212,21 @@ class Resilience:
         if self.cfg.checkpoint.export_at_end:
             return self.ckpt.export(self.train_state.step)
         return None
+
+    def peer_failure(self, error: BaseException) -> PeerFailure | None:
+        """For an error that means 'another rank is gone' (a failed collective): a PeerFailure naming that rank,
+        so that every survivor exits 5 with the rank's name instead of a traceback. A killed rank on this host
+        is seen at once (its pid is gone); elsewhere its heartbeat must go stale, so wait a little for it."""
+        if self.watchdog is None or not collective_failure_hint(error, self.world_size):
+            return None
+        fc = self.cfg.fault
+        deadline = time.monotonic() + min(fc.peer_timeout_s, 3 * fc.heartbeat_interval_s)
+        while (peer := find_dead_peer(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank,
+                                      fc.peer_timeout_s)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if peer is None:
+            return None
+        return PeerFailure(f"{peer}; this rank stops too (its collective failed: {type(error).__name__})")
 
     def close(self, error: BaseException | None = None) -> None:
         """Every exit path: finish a background save, leave a final heartbeat ('failed' tells the peers)."""
