@@ -26,6 +26,7 @@ from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.preemption import EXIT_INTERRUPTED, Preempted
 from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
@@ -83,11 +84,12 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     return parallelize_nsa(model, parallel_dims, job_config, device)
 
 
-def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims) -> list[dict[str, torch.Tensor]]:
+def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims, dp_rank: int,
+                       report) -> list[dict[str, torch.Tensor]]:
     """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              rank=dims.dp_rank(), world_size=dims.dp_degree, seed=tc.seed, split="val")
+                              rank=dp_rank, world_size=dims.dp_degree, seed=tc.seed, split="val", report=report)
     return [next(loader) for _ in range(job_config.metrics.val_steps)]
 
 
@@ -117,9 +119,15 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
 
 
 def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict[str, Any]:
-    """Run training; returns the summary dict (rank 0; other ranks get {}). ``hooks``: fault injection (tests)."""
+    """Run training; returns the summary dict (rank 0; other ranks get {} or, after a stop signal, its
+    ``exit_code``). ``hooks``: fault injection (tests)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     job_config = load_job_config(argv)
-    validate_schedule(job_config.lr_scheduler, job_config.training.steps)  # before any GPU work
+    try:  # a config error (exit 2, no traceback), before any GPU work; not in load_job_config, which
+        # generate / eval also use with training configs whose steps do not matter to them
+        validate_schedule(job_config.lr_scheduler, job_config.training.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     world = world_from_env()
     # Degrees are checked against the world size before any process group or GPU work.
     parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism,
@@ -138,7 +146,24 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     model_args = resolve_model_args(job_config, tokenizer.vocab_size)
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
-                     log=functools.partial(_print0, world), hooks=hooks)
+                     log=functools.partial(_print0, world), hooks=hooks, argv=argv)
+    # Data before the model: an unusable corpus (empty, not text, too short for seq_len) is a config error
+    # now, not after the model is built (and compiled) on the GPU.
+    # Common seed on every rank: the loader shards by its explicit (data-parallel) rank argument, and a
+    # per-rank seed would give ranks different document orders, i.e. overlapping shards.
+    warn = functools.partial(_print0, world, "WARNING:")
+    # The data rank is the global rank (data parallelism only); from the environment, as the process group
+    # is created later, with the model's device mesh.
+    dp_rank = world.rank if parallel_dims.dp_enabled else 0
+    try:
+        train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
+                                        local_batch_size=tc.local_batch_size, rank=dp_rank,
+                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn)
+        val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn) if mc.val_freq > 0 else []
+    except ConfigError:
+        raise
+    except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
+        raise ConfigError(str(e)) from None
     model = build_training_model(job_config, model_args, device, world, parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
@@ -161,12 +186,6 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     with full_param_shapes(model):  # FSDP1 flattens parameters; decay groups are chosen by their real shapes
         optimizer = build_optimizer(model, job_config.optimizer, device.type, require_fused=res.needs_fused_optimizer)
     scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
-    # Common seed on every rank: the loader shards by its explicit (data-parallel) rank argument, and a
-    # per-rank seed would give ranks different document orders, i.e. overlapping shards.
-    train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
-                                    local_batch_size=tc.local_batch_size, rank=parallel_dims.dp_rank(),
-                                    world_size=parallel_dims.dp_degree, seed=tc.seed, split="train")
-    val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims) if mc.val_freq > 0 else []
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
 
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                    f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")
     profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
                              log=lambda m: print(m, flush=True), start_step=first_step)
-    steps_done, interrupted, error = first_step - 1, False, None
+    steps_done, interrupted, error, stop = first_step - 1, False, None, {}
     try:
         profiler.start()
         for step in range(first_step, tc.steps + 1):
@@ -216,11 +235,16 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                 res.progress()
             profiler.step(step)  # profiler schedule and requested memory snapshots, between steps
         res.finish()  # wait for a background save; model export
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Ctrl-C twice, or SIGTERM / SIGINT handled after a step (Preempted)
         interrupted, error = True, e
+        stop = ({"stop_signal": e.signame, "checkpoint": None if e.saved is None else str(e.saved),
+                 "exit_code": e.exit_code} if isinstance(e, Preempted) else {"exit_code": EXIT_INTERRUPTED})
         _print0(world, f"interrupted after {steps_done} completed step(s); writing the summary")
     except BaseException as e:
         error = e
+        peer = res.peer_failure(e)  # another rank is gone: exit 5 naming it (python -m nsa_titan.train)
+        if peer is not None:
+            raise peer from e
         hint = collective_failure_hint(e, world.world_size)
         if hint:
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
@@ -241,10 +265,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     if dist.is_initialized():
         dist.destroy_process_group()
     if not world.is_main:
-        return {}
+        return stop
     summary = write_summary(dump / "summary.json", logger, steps_done=steps_done, interrupted=interrupted,
                             device=device, job_config=job_config, model_args=model_args, model_info=model_info,
-                            extra={"compile": compile_stats})
+                            extra={"compile": compile_stats, **stop})
     tps = summary["tokens_per_s"]
     _print0(world, f"done: {steps_done} steps, loss {summary['initial_loss']} -> {summary['final_loss']}, "
                    f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s; summary in {dump / 'summary.json'}")
@@ -260,4 +284,4 @@ if __name__ == "__main__":
     except TrainingFailure as e:  # detected by the trainer (e.g. a non-finite loss): the message says what to do
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    sys.exit(130 if result.get("interrupted") else 0)
+    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see components/preemption.py)

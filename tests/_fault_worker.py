@@ -7,6 +7,7 @@ Scenarios:
   sigkill_commit  SIGKILL this process after every rank wrote checkpoint STEP, before it is made visible
   sigkill_step    SIGKILL this process at the start of step STEP (with --rank-only R: only on rank R)
   stall           sleep for an hour at the start of step STEP (the watchdog must end the process)
+  sigterm_step    send this process SIGTERM at the start of step STEP (with --rank-only R: only rank R)
   none            no fault
 --ref STEP:FILE: at the start of step STEP (0: once the run is set up, after any resume), gather the full
 unsharded model and optimizer state (collective) and let rank 0 torch.save it to FILE.
@@ -83,19 +84,22 @@ def main() -> int:
             if armed and scenario == "sigkill_step" and s == step:
                 print(f"worker: rank {me} killing myself at step {s}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if armed and scenario == "sigterm_step" and s == step:
+                print(f"worker: rank {me} sending itself SIGTERM at step {s}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
             if armed and scenario == "stall" and s == step:
                 print(f"worker: stalling at step {s}", flush=True)
                 time.sleep(3600)
 
     try:
-        train_main(rest, hooks=Hooks())
+        result = train_main(rest, hooks=Hooks())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except TrainingFailure as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return e.exit_code if e.exit_code else EXIT_NONFINITE
-    return 0
+    return result.get("exit_code", 0)  # as python -m nsa_titan.train exits
 
 
 if __name__ == "__main__":

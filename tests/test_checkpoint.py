@@ -274,7 +274,7 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
 def test_state_dict_names_do_not_depend_on_wrappers():
     """Activation checkpointing and compile wrap the blocks; checkpoint keys must stay the plain module names,
     or a checkpoint could not move between configurations."""
-    from nsa_titan.checkpoint.state import dcp_state_dict
+    from nsa_titan.checkpoint.state import dcp_state_dict, rng_state
     from nsa_titan.components.optimizer import build_optimizer
     from nsa_titan.config import load_job_config
     from nsa_titan.models import build_model, get_model_args
@@ -289,7 +289,7 @@ def test_state_dict_names_do_not_depend_on_wrappers():
             model = build_model(get_model_args("debug", **cfg.model.overrides()))
         model = parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optimizer, "cpu", require_fused=True)
-        host = {"train_state": {}, "lr_scheduler": {}, "loader": {}, "rng": {}}
+        host = {"train_state": {}, "lr_scheduler": {}, "loader": {}, "rng": rng_state(torch.device("cpu"))}
         state = dcp_state_dict(model, opt, host, rank=0)
         keys.append((sorted(state["model"]), sorted(state["optimizer"])))
         assert not any("_orig_mod" in k or "checkpoint_wrapped" in k for k in state["model"])

@@ -18,7 +18,6 @@ import re
 import shutil
 import sys
 import types
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +114,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, model_args: di
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                       dtype: str = "bf16") -> Path:
     """Offline: read the model part of a DCP checkpoint in this single process and export it."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
     from nsa_titan.checkpoint.manager import inspect_checkpoint  # noqa: PLC0415
+    from nsa_titan.checkpoint.safe_load import load_tensors  # noqa: PLC0415
     from nsa_titan.models import NSAModelArgs, build_model  # noqa: PLC0415
 
     require_safetensors()
@@ -130,9 +128,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike 
         model = build_model(args)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that it assumes single-process use: that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)  # reads (and reshards) only the model tensors
+    load_tensors(state, path, no_dist=True)  # reads (and reshards) only the model tensors; unpickles no code
     out = Path(out_dir) if out_dir else path.with_name(f"export-{path.name}")
     return write_export(state["model"], out, model_args=meta["model_args"], dtype=dtype)
 

@@ -2,28 +2,34 @@
 
 Layout under ``<job.dump_folder>/<checkpoint.folder>``::
 
-    step-00000100/          a complete checkpoint: DCP files + .metadata + nsa_checkpoint.json
-    .tmp-step-00000200/     a save in progress (or one killed mid-way): never read, removed at start-up
+    step-00000100/          a complete checkpoint: DCP files + .metadata + nsa_checkpoint.json (the manifest)
+    .tmp-step-00000200/     a save in progress, or one a kill interrupted (see recovery below)
+    .trash-step-...         a folder set aside for deletion; removed at start-up
     export-step-00000300/   model-only bf16 safetensors export (see export.py)
 
 Atomicity: every rank writes into ``.tmp-step-N``; when DCP has finished (its coordinator writes
-``.metadata`` after every rank reported its files), rank 0 writes ``nsa_checkpoint.json`` (step, file
-sizes, model args), fsyncs it and renames the folder to ``step-N``: a rename is atomic, so a reader
-sees either nothing or the whole checkpoint. A SIGKILL at any moment leaves earlier ``step-*``
+``.metadata`` after every rank reported its files), rank 0 writes ``nsa_checkpoint.json`` (step, model
+args, each file's size and CRC-32), fsyncs it and renames the folder to ``step-N``: a rename is atomic,
+so a reader sees either nothing or the whole checkpoint. Re-saving an existing step N (the non-finite
+stop, a run restarted with resume_from none) sets the old ``step-N`` aside, renames the new one in, and
+only then deletes the old one (folder.replace_dir). A SIGKILL at any moment leaves earlier ``step-*``
 folders untouched (pruning by ``keep_latest_k`` runs only after the new one is committed).
 
+Recovery at start-up (rank 0, in ``bind``): a ``.tmp-step-N`` whose manifest is written and whose files
+have the listed sizes is a save that was killed between its last two renames: it is renamed into place
+(replacing ``step-N``); any other ``.tmp-step-N`` is removed, and so is every ``.trash-*`` folder.
+
 Validation on resume: a ``step-N`` folder counts only if its marker parses and every file it lists
-exists with the recorded size; a checkpoint that fails that check, or whose DCP load raises, is
-reported and the next older complete one is tried ('latest'). An explicitly named checkpoint must be
-complete: anything else is a ConfigError naming ``checkpoint.resume_from``.
+exists with the recorded size; before it is loaded, every file's CRC-32 is checked. A checkpoint that
+fails either check, or whose DCP load raises, is reported and the next older complete one is tried
+('latest'). An explicitly named checkpoint must be complete: anything else is a ConfigError naming
+``checkpoint.resume_from``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -36,12 +42,36 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from nsa_titan.checkpoint.folder import (
+    TRASH_PREFIX,
+    checksum_problems,
+    describe_write_error,
+    inspect_checkpoint,
+    list_checkpoints,
+    list_unfinished,
+    remove_dir,
+    replace_dir,
+    step_dir_name,
+    write_marker,
+    writable_problem,
+)
+from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
+from nsa_titan.components.failure import TrainingFailure
 from nsa_titan.config import ConfigError
 
-MARKER = "nsa_checkpoint.json"
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+class CheckpointWriteError(TrainingFailure):
+    """A save failed because the checkpoint folder cannot take it (disk full, read-only, no permission)."""
+
+
+def _state_bytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
+
 # Fields that do not change the saved tensors: a run may resume under another attention implementation.
 _ARGS_FREE_TO_CHANGE = ("attn_impl",)
 
@@ -54,70 +84,10 @@ def _quiet_single_process():
         yield
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def inspect_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
-    """(marker, None) for a complete checkpoint folder, else (None, what is wrong)."""
-    path = Path(path)
-    if not path.is_dir():
-        return None, "not a folder" if path.exists() else "does not exist"
-    try:
-        meta = json.loads((path / MARKER).read_text())
-    except FileNotFoundError:
-        return None, f"no {MARKER}: the save did not finish"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable {MARKER} ({e})"
-    files = meta.get("files") if isinstance(meta, dict) else None
-    if not isinstance(files, dict) or ".metadata" not in files or not isinstance(meta.get("step"), int):
-        return None, f"{MARKER} lacks the step or file list"
-    for name, size in files.items():
-        try:
-            actual = (path / name).stat().st_size
-        except OSError:
-            return None, f"file {name} is missing"
-        if actual != size:
-            return None, f"file {name} has {actual} bytes, {size} were written"
-    return meta, None
-
-
-def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``step-N`` folders (complete or not) in ascending step order."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
 def model_args_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
             for k in sorted(set(saved) | set(current))
             if k not in _ARGS_FREE_TO_CHANGE and saved.get(k) != current.get(k)]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    """Rename, then delete: a kill mid-delete leaves a hidden .trash folder, never a half-deleted step-N."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -126,11 +96,14 @@ class CheckpointManager:
 
     def __init__(self, cfg: Any, *, dump_folder: str | os.PathLike, rank: int = 0, world_size: int = 1,
                  model_args: dict[str, Any] | None = None, log: Callable[[str], None] = print,
-                 hooks: Any = None):
+                 hooks: Any = None, data_args: dict[str, Any] | None = None):
+        """data_args: the settings that define the data stream ({"training.seq_len": 512, "data.dataset": ...}),
+        saved with each checkpoint; resuming with other values is a ConfigError (the position would be wrong)."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.rank, self.world_size = rank, world_size
         self.model_args = model_args or {}
+        self.data_args = data_args or {}
         self.log = log
         self.hooks = hooks
         self.enabled = bool(cfg.enable)
@@ -138,10 +111,23 @@ class CheckpointManager:
         self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
         self._async_pg = None
         self.last_saved_step: int | None = None
-        self.candidates = self._resume_candidates()
+        problem = writable_problem(self.folder) if self.enabled else None
+        if problem:  # found now, not at the first save (up to checkpoint.interval steps later)
+            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass --checkpoint.folder "
+                              "(an absolute path, or relative to job.dump_folder) on a writable disk")
+        self.candidates = self._resume_candidates(self.log)
+
+    def _latest_folders(self) -> list[tuple[int, Path]]:
+        """Checkpoints newest first, as start-up recovery will leave them: a complete .tmp-step-N (a save
+        killed between its renames) stands for step N."""
+        folders = dict(list_checkpoints(self.folder))
+        for step, tmp in list_unfinished(self.folder):
+            if inspect_checkpoint(tmp)[1] is None:
+                folders[step] = tmp
+        return sorted(folders.items(), reverse=True)
 
     # ---- resume source (before any GPU work) ----
-    def _resume_candidates(self) -> list[Path]:
+    def _resume_candidates(self, log: Callable[[str], None]) -> list[Path]:
         source = str(self.cfg.resume_from).strip()
         if source.lower() in ("none", ""):
             return []
@@ -149,13 +135,13 @@ class CheckpointManager:
             if not self.enabled:
                 return []
             out = []
-            for step, path in reversed(list_checkpoints(self.folder)):
+            for step, path in self._latest_folders():
                 meta, problem = inspect_checkpoint(path)
                 if problem:
-                    self.log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
+                    log(f"WARNING: checkpoint {path} is incomplete or corrupt ({problem}); skipping it")
                     continue
-                if out and self._model_diff(meta):  # an older fallback of another model could never load
-                    self.log(f"WARNING: checkpoint {path} holds another model; it is not a fallback")
+                if out and (self._model_diff(meta) or self._data_diff(meta)):  # a fallback that could never load
+                    log(f"WARNING: checkpoint {path} holds another model or data settings; it is not a fallback")
                     continue
                 if not out:
                     self._check_model_args(path, meta)  # the newest one decides: another model is an error
@@ -172,6 +158,11 @@ class CheckpointManager:
         self._check_model_args(path, meta)
         return [path]
 
+    def _data_diff(self, meta: dict[str, Any]) -> list[str]:
+        saved = meta.get("data") or {}
+        return [f"{k}: checkpoint {saved[k]!r}, this run {v!r}" for k, v in self.data_args.items()
+                if k in saved and saved[k] != v]
+
     def _model_diff(self, meta: dict[str, Any]) -> list[str]:
         return model_args_mismatch(meta.get("model_args", {}), self.model_args) if self.model_args else []
 
@@ -181,6 +172,11 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint.resume_from: {path} holds another model ({'; '.join(diff)}); resume with "
                               "the same [model] settings, or start fresh with --checkpoint.resume_from none "
                               "(or another --job.dump_folder)")
+        diff = self._data_diff(meta)
+        if diff:
+            raise ConfigError(f"checkpoint.resume_from: {path} was saved with other data settings ({'; '.join(diff)}), "
+                              "so its data position means nothing here; resume with the same settings, or start fresh "
+                              "with --checkpoint.resume_from none (or another --job.dump_folder)")
 
     # ---- live objects ----
     def bind(self, *, model, optimizer, scheduler, loader, train_state: TrainState, device: torch.device) -> None:
@@ -193,11 +189,26 @@ class CheckpointManager:
             # separate gloo group keeps the two streams of collectives from interleaving on one group.
             self._async_pg = dist.new_group(backend="gloo")
         if self.enabled and self.rank == 0 and self.folder.is_dir():
-            for stale in self.folder.glob(".tmp-step-*"):
-                self.log(f"checkpoint: removing {stale.name}, a save that never completed")
-                _remove(stale)
+            self._recover()
         if distributed:
-            dist.barrier()  # no rank may start writing a .tmp folder that rank 0 is still removing
+            dist.barrier()  # no rank may look at the folder (or write a .tmp) while rank 0 is repairing it
+        if self.enabled:  # recovery renamed folders: resolve again (every rank now sees the same folder)
+            self.candidates = self._resume_candidates(lambda _: None)
+
+    def _recover(self) -> None:
+        """Rank 0: finish saves that a kill interrupted after their manifest was written, drop the others and
+        every folder that was set aside for deletion."""
+        for step, tmp in list_unfinished(self.folder):
+            if inspect_checkpoint(tmp)[1] is None:
+                self.log(f"checkpoint: {tmp.name} is complete (a kill interrupted its commit); renaming it to "
+                         f"{step_dir_name(step)}")
+                replace_dir(tmp, self.folder / step_dir_name(step))
+            else:
+                self.log(f"checkpoint: removing {tmp.name}, a save that never completed")
+                remove_dir(tmp)
+        for trash in self.folder.glob(f"{TRASH_PREFIX}*"):
+            self.log(f"checkpoint: removing {trash.name}, set aside by an earlier run")
+            shutil.rmtree(trash, ignore_errors=True)
 
     def load(self) -> int | None:
         """Restore the newest usable candidate; returns its step, or None when starting fresh."""
@@ -216,7 +227,8 @@ class CheckpointManager:
             apply_loaded(state, rank_key, model=live["model"], optimizer=live["optimizer"],
                          scheduler=live["scheduler"], loader=live["loader"], train_state=live["train_state"],
                          device=live["device"], saved_world_size=int(meta.get("world_size", 1)),
-                         world_size=self.world_size, log=self.log)
+                         world_size=self.world_size, keep_saved_hyperparams=self.cfg.keep_saved_hyperparams,
+                         log=self.log)
             self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} rank(s))")
             self.last_saved_step = int(meta["step"])
             return self.last_saved_step
@@ -229,13 +241,30 @@ class CheckpointManager:
         meta, problem = inspect_checkpoint(path)
         if problem:
             raise RuntimeError(problem)
-        saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        t0 = time.perf_counter()
+        bad = self._checksum_problems(path, meta)
+        if bad:
+            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}" + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""))
+        size = sum(e["size"] for e in meta["files"].values())
+        self.log(f"checkpoint: CRC-32 of {len(meta['files'])} files ({size / 1e9:.2f} GB) in {path.name} verified in "
+                 f"{time.perf_counter() - t0:.2f}s")
+        saved = read_metadata_safely(path).state_dict_metadata
+        sizes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
         mine = f"rank{self.rank}"
-        rank_key = mine if f"rank_state.{mine}" in saved_keys else "rank0"
-        state = load_template(live["model"], live["optimizer"], rank_key)
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        rank_key = mine if f"rank_state.{mine}.json" in sizes else "rank0"
+        state = load_template(live["model"], live["optimizer"], rank_key, sizes)
+        load_tensors(state, path, no_dist=not dist.is_initialized())
         return meta, state, rank_key
+
+    def _checksum_problems(self, path: Path, meta: dict[str, Any]) -> list[str]:
+        """Every rank checks its share of the files; all ranks get every rank's findings (so that all of them
+        take the same decision: one rank skipping a collective load that the others enter would hang them)."""
+        if not dist.is_initialized() or self.world_size <= 1:
+            return checksum_problems(path, meta)
+        mine = checksum_problems(path, meta, rank=self.rank, world_size=self.world_size)
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)  # once per resume attempt
+        return [p for found in gathered for p in (found or [])]
 
     def _require_live(self) -> dict[str, Any]:
         if self._live is None:
@@ -265,13 +294,13 @@ class CheckpointManager:
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
-                _remove(tmp)
+                remove_dir(tmp)
         if dist.is_initialized():
             dist.barrier()
         host = capture_host_state(live["train_state"], live["scheduler"], live["loader"], live["device"])
         state = dcp_state_dict(live["model"], live["optimizer"], host, self.rank)
-        meta = {"format": FORMAT_VERSION, "step": step, "tokens_seen": live["train_state"].tokens_seen,
-                "world_size": self.world_size, "model_args": self.model_args,
+        meta = {"step": step, "tokens_seen": live["train_state"].tokens_seen,
+                "world_size": self.world_size, "model_args": self.model_args, "data": self.data_args,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         t0 = time.perf_counter()
         no_dist = not dist.is_initialized()
@@ -280,12 +309,28 @@ class CheckpointManager:
             self._pending = (future, step, tmp, meta)
             self.log(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background")
         else:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=no_dist)
-            self._commit(step, tmp, meta)
+            try:
+                with _quiet_single_process():
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=no_dist)
+                self._commit(step, tmp, meta)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - named when it is the disk, else re-raised
+                self._raise_named(step, tmp, e, _state_bytes(state) * self.world_size)
             self.log(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - t0:.2f}s")
         self.last_saved_step = step
         return final
+
+    def _raise_named(self, step: int, tmp: Path, error: BaseException, need_bytes: int) -> None:
+        """A save that failed because of the disk (full, read-only, no permission) ends the run with a message
+        saying so and what to do; any other error is re-raised as it is."""
+        problem = describe_write_error(self.folder, error, need_bytes)
+        if problem is None:
+            raise error
+        if self.rank == 0:
+            remove_dir(tmp)  # its partial files only take space; start-up would remove them anyway
+        kept = f"step {self.last_saved_step}" if self.last_saved_step is not None else "none"
+        raise CheckpointWriteError(f"saving checkpoint step {step} failed: {problem}. Free space or fix the folder, "
+                                   f"lower checkpoint.keep_latest_k, or pass --checkpoint.folder on another disk; the "
+                                   f"last complete checkpoint ({kept}) is intact") from error
 
     def poll(self) -> None:
         """Commit a finished background save; never blocks (future.done() is a host flag)."""
@@ -300,9 +345,10 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
+            self._commit(step, tmp, meta)
+        except (Exception, CheckpointException) as e:
+            self._raise_named(step, tmp, e, 0)
             raise RuntimeError(f"background checkpoint save of step {step} to {tmp} failed: {e}") from e
-        self._commit(step, tmp, meta)
         self.log(f"checkpoint: saved step {step} to {self.folder / step_dir_name(step)} (background)")
 
     def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
@@ -312,18 +358,10 @@ class CheckpointManager:
             return
         if self.hooks is not None:
             self.hooks.before_checkpoint_commit(step, tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        marker = tmp / MARKER
-        with open(marker, "w") as f:
-            json.dump({**meta, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = self.folder / step_dir_name(step)
-        if final.exists():  # e.g. a run restarted with resume_from none: the new save replaces the old one
-            _remove(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.folder)
+        write_marker(tmp, meta)  # sizes and CRC-32 of every file: read back now, checked before each load
+        # An existing step-N (a run restarted with resume_from none, the non-finite stop's re-save) is set
+        # aside, not deleted, until the new one is in place.
+        replace_dir(tmp, self.folder / step_dir_name(step))
         self._prune()
 
     def _prune(self) -> None:
@@ -336,7 +374,7 @@ class CheckpointManager:
         oldest_kept = complete[-k][0]
         for step, path in list_checkpoints(self.folder):
             if step < oldest_kept:
-                _remove(path)
+                remove_dir(path)
 
     def close(self) -> None:
         """Finish any background save (call on every exit path that keeps the process alive)."""

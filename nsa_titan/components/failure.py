@@ -26,6 +26,7 @@ the same decision with no extra collective.
 from __future__ import annotations
 
 import collections
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,12 @@ class TrainingFailure(RuntimeError):
     """A failure the trainer detected itself; ``python -m nsa_titan.train`` exits with ``exit_code``."""
 
     exit_code = EXIT_FAILURE
+
+
+class PeerFailure(TrainingFailure):
+    """Another rank died, hung or failed; this one stops too (exit 5, as the watchdog's peer check)."""
+
+    exit_code = EXIT_PEER_FAILED
 
 
 class NonFiniteError(TrainingFailure):
@@ -172,6 +179,24 @@ class NonFiniteGuard:
             shown = ", ".join(map(str, self.skipped_steps[-20:]))
             return f"{what}; updates skipped at {report.count} step(s): {shown}"
         return what
+
+
+def suggest_command(argv: list[str], overrides: dict[str, str], world_size: int = 1) -> str:
+    """The training command with ``argv`` and each ``--key value`` of ``overrides`` in place of any earlier
+    setting of that key, quoted for a POSIX shell (a command to copy, e.g. in the non-finite stop's message)."""
+    kept, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        name = tok[2:].partition("=")[0] if tok.startswith("--") else None
+        if name in overrides:
+            i += 1 if "=" in tok else 2  # both keys this is used for take a value
+            continue
+        kept.append(tok)
+        i += 1
+    for key, value in overrides.items():
+        kept += [f"--{key}", value]
+    launcher = "torchrun <same launcher options> -m nsa_titan.train" if world_size > 1 else "python -m nsa_titan.train"
+    return f"{launcher} {shlex.join(kept)}"
 
 
 def collective_failure_hint(exc: BaseException, world_size: int) -> str | None:

@@ -16,7 +16,10 @@ when the user opted in with ``fault.nonfinite_check_every_step``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +28,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nsa_titan.checkpoint import CheckpointManager, TrainState, capture_host_state, restore_host_state
-from nsa_titan.components.failure import NonFiniteError, NonFiniteGuard, TrainHooks, collective_failure_hint
-from nsa_titan.components.watchdog import Watchdog, describe_peers
+from nsa_titan.checkpoint import (
+    CheckpointManager,
+    TrainState,
+    capture_host_state,
+    restore_host_state,
+    step_dir_name,
+)
+from nsa_titan.checkpoint.folder import writable_problem
+from nsa_titan.components.failure import (
+    NonFiniteError,
+    NonFiniteGuard,
+    PeerFailure,
+    TrainHooks,
+    collective_failure_hint,
+    suggest_command,
+)
+from nsa_titan.components.preemption import Preempted, StopSignals
+from nsa_titan.components.watchdog import Watchdog, describe_peers, find_dead_peer
 from nsa_titan.config import ConfigError
 
 
@@ -39,10 +57,25 @@ def shared_run_id() -> str:
     return run_id[0]
 
 
+def data_identity(job_config: Any) -> dict[str, Any]:
+    """The settings that define the data stream a checkpoint's loader position refers to (not the world size:
+    a resume on another number of ranks reshards the position)."""
+    d, tc = job_config.data, job_config.training
+    path = os.path.abspath(d.path) if d.path and os.path.exists(d.path) else d.path
+    out = {"training.seq_len": tc.seq_len, "training.seed": tc.seed, "data.dataset": d.dataset, "data.path": path,
+           "data.tokenizer": d.tokenizer, "data.val_fraction": d.val_fraction, "data.retrieval_mix": d.retrieval_mix}
+    if d.dataset == "retrieval" or d.retrieval_mix > 0:
+        out.update({f"data.{k}": getattr(d, k) for k in ("retrieval_num_pairs", "retrieval_key_len",
+                                                          "retrieval_value_len")})
+    return out
+
+
 class Resilience:
     def __init__(self, job_config: Any, *, rank: int, world_size: int, model_args: Any,
-                 log: Callable[[str], None] = print, hooks: TrainHooks | None = None):
+                 log: Callable[[str], None] = print, hooks: TrainHooks | None = None, argv: list[str] | None = None):
+        """argv: the command-line arguments of the run, for the commands that failure messages suggest."""
         self.cfg = job_config
+        self.argv = list(argv or [])
         self.rank, self.world_size = rank, world_size
         self.log = log
         self.hooks = hooks or TrainHooks()
@@ -51,13 +84,17 @@ class Resilience:
             raise ConfigError(f"optimizer.fused: false, but fault.nonfinite={job_config.fault.nonfinite!r} drops bad "
                               "updates on device through the fused AdamW kernel; use --optimizer.fused auto, or "
                               "--fault.nonfinite off")
+        problem = writable_problem(self.dump) if rank == 0 else None
+        if problem:  # metrics, summary and heartbeats go there: fail before any model is built
+            raise ConfigError(f"job.dump_folder: {problem}; pass a writable --job.dump_folder")
         args = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
         # Resolves (and checks) the resume source now: a bad checkpoint path fails before any model is built.
         self.ckpt = CheckpointManager(job_config.checkpoint, dump_folder=self.dump, rank=rank, world_size=world_size,
-                                      model_args=args, log=log, hooks=self.hooks)
+                                      model_args=args, log=log, hooks=self.hooks, data_args=data_identity(job_config))
         self.train_state = TrainState()
         self.guard: NonFiniteGuard | None = None
         self.watchdog: Watchdog | None = None
+        self.signals: StopSignals | None = None
         self._live: dict[str, Any] = {}
 
     @property
@@ -81,6 +118,8 @@ class Resilience:
                                  first_step_timeout_s=fc.watchdog_first_step_timeout_s,
                                  heartbeat_interval_s=fc.heartbeat_interval_s, peer_timeout_s=fc.peer_timeout_s,
                                  run_id=shared_run_id()).start()
+        self.signals = StopSignals(grace_s=fc.stop_grace_s, rank=self.rank, world_size=self.world_size,
+                                   log=self.log).install()
         self.hooks.on_train_start({**self._live, "train_state": self.train_state, "checkpoint": self.ckpt})
         return self.train_state.step + 1
 
@@ -110,6 +149,22 @@ class Resilience:
             self.ckpt.maybe_save(step, last=last)  # also commits a finished background save (no waiting)
             if saving:
                 self.watchdog.progress()
+        if self.signals.agreed():
+            self._stop_on_signal(step)
+
+    def _stop_on_signal(self, step: int) -> None:
+        """SIGTERM / SIGINT arrived during this step (on some rank): save it and end the run."""
+        self._check_nonfinite()  # never save a state the guard has not vetted (raises on a bad step)
+        saved = None
+        if self.ckpt.enabled:
+            if self.ckpt.last_saved_step != step:
+                self.ckpt.save(step)
+            self.ckpt.wait()
+            saved = self.ckpt.folder / step_dir_name(step)
+        name = signal.Signals(self.signals.signum).name
+        self.log(f"{name}: stopped after step {step}" + (f"; checkpoint {saved}" if saved else
+                                                         " (checkpointing is off: nothing saved)"))
+        raise Preempted(name, self.signals.exit_code(), step, saved)
 
     def progress(self) -> None:
         """After long non-step work (evaluation)."""
@@ -137,10 +192,18 @@ class Resilience:
         saved = None
         if self.ckpt.enabled:
             saved = self.ckpt.save(self.train_state.step)
-        where = (f"saved the last good state (step {self.train_state.step}) to {saved}" if saved else
-                 "checkpointing is off (checkpoint.enable), so nothing was saved")
-        raise NonFiniteError(f"{message}; {where}. Resume after a fix (e.g. a lower optimizer.lr) or use "
-                             "--fault.nonfinite skip", step=report.first_step, saved=saved)
+        lower = {"optimizer.lr": f"{self.cfg.optimizer.lr / 10:g}"}
+        if saved:
+            command = suggest_command(self.argv, {**lower, "checkpoint.resume_from": str(saved)}, self.world_size)
+            advice = (f"saved the last good state (step {self.train_state.step}) to {saved}. To resume from it with a "
+                      f"lower learning rate (on resume, this run's [optimizer] settings replace the saved ones): "
+                      f"{command}")
+        else:
+            command = suggest_command(self.argv, lower, self.world_size)
+            advice = ("checkpointing is off (checkpoint.enable), so nothing was saved. To start again with a lower "
+                      f"learning rate: {command}")
+        raise NonFiniteError(f"{message}; {advice} (or pass --fault.nonfinite skip to drop bad steps and go on)",
+                             step=report.first_step, saved=saved)
 
     # ---- end ----
     def finish(self) -> Path | None:
@@ -150,8 +213,25 @@ class Resilience:
             return self.ckpt.export(self.train_state.step)
         return None
 
+    def peer_failure(self, error: BaseException) -> PeerFailure | None:
+        """For an error that means 'another rank is gone' (a failed collective): a PeerFailure naming that rank,
+        so that every survivor exits 5 with the rank's name instead of a traceback. A killed rank on this host
+        is seen at once (its pid is gone); elsewhere its heartbeat must go stale, so wait a little for it."""
+        if self.watchdog is None or not collective_failure_hint(error, self.world_size):
+            return None
+        fc = self.cfg.fault
+        deadline = time.monotonic() + min(fc.peer_timeout_s, 3 * fc.heartbeat_interval_s)
+        while (peer := find_dead_peer(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank,
+                                      fc.peer_timeout_s)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if peer is None:
+            return None
+        return PeerFailure(f"{peer}; this rank stops too (its collective failed: {type(error).__name__})")
+
     def close(self, error: BaseException | None = None) -> None:
         """Every exit path: finish a background save, leave a final heartbeat ('failed' tells the peers)."""
+        if self.signals is not None:
+            self.signals.restore()
         try:
             if error is None or isinstance(error, (KeyboardInterrupt, NonFiniteError)):
                 self.ckpt.close()

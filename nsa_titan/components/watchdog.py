@@ -53,6 +53,44 @@ def read_heartbeats(folder: Path, world_size: int, run_id: str | None = None) ->
     return out
 
 
+def process_gone(hb: dict[str, Any]) -> bool:
+    """True when the heartbeat's process ran on this host and no longer exists (or is a zombie): a rank that
+    was killed. Ranks on other hosts cannot be checked this way (their heartbeat goes stale instead)."""
+    if hb.get("host") != socket.gethostname() or not isinstance(hb.get("pid"), int):
+        return False
+    pid = hb["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    try:  # a killed child that its launcher has not reaped yet
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def find_dead_peer(folder: Path, world_size: int, run_id: str | None, me: int, peer_timeout_s: float) -> str | None:
+    """A sentence naming a peer that failed, hung or died (see the module docstring), else None."""
+    now = time.time()
+    for r, hb in read_heartbeats(folder, world_size, run_id).items():
+        if r == me:
+            continue
+        if hb.get("status") in FAILED_STATUSES:
+            why = f": {hb['detail']}" if hb.get("detail") else ""
+            return f"rank {r} reported '{hb['status']}' at step {hb.get('step')}{why}"
+        if hb.get("status") == "running" and process_gone(hb):
+            return (f"rank {r} (pid {hb.get('pid')} on {hb.get('host')}) is gone: its process no longer exists "
+                    f"(last step {hb.get('step')})")
+        age = now - float(hb.get("time", now))
+        if hb.get("status") == "running" and age > peer_timeout_s:
+            return (f"rank {r} (pid {hb.get('pid')} on {hb.get('host')}) stopped sending heartbeats "
+                    f"{age:.1f}s ago, after step {hb.get('step')}: it has most likely died")
+    return None
+
+
 def describe_peers(folder: Path, world_size: int, run_id: str | None, me: int) -> str:
     now = time.time()
     beats = read_heartbeats(folder, world_size, run_id)
@@ -63,9 +101,11 @@ def describe_peers(folder: Path, world_size: int, run_id: str | None, me: int) -
         hb = beats.get(r)
         if hb is None:
             parts.append(f"rank {r}: no heartbeat")
-        else:
-            parts.append(f"rank {r}: {hb.get('status')}, last step {hb.get('step')}, heartbeat "
-                         f"{now - hb.get('time', now):.1f}s old (pid {hb.get('pid')} on {hb.get('host')})")
+            continue
+        status = "gone (process no longer exists)" if hb.get("status") == "running" and process_gone(hb) else \
+            hb.get("status")
+        parts.append(f"rank {r}: {status}, last step {hb.get('step')}, heartbeat "
+                     f"{now - hb.get('time', now):.1f}s old (pid {hb.get('pid')} on {hb.get('host')})")
     return "; ".join(parts)
 
 
@@ -161,18 +201,7 @@ class Watchdog:
     def _dead_peer(self) -> str | None:
         if self.world_size <= 1:
             return None
-        now = time.time()
-        for r, hb in read_heartbeats(self.heartbeat_dir, self.world_size, self.run_id).items():
-            if r == self.rank:
-                continue
-            if hb.get("status") in FAILED_STATUSES:
-                why = f": {hb['detail']}" if hb.get("detail") else ""
-                return f"rank {r} reported '{hb['status']}' at step {hb.get('step')}{why}"
-            age = now - float(hb.get("time", now))
-            if hb.get("status") == "running" and age > self.peer_timeout_s:
-                return (f"rank {r} (pid {hb.get('pid')} on {hb.get('host')}) stopped sending heartbeats "
-                        f"{age:.1f}s ago, after step {hb.get('step')}: it has most likely died")
-        return None
+        return find_dead_peer(self.heartbeat_dir, self.world_size, self.run_id, self.rank, self.peer_timeout_s)
 
     def _say(self, text: str) -> None:
         stream = self._stream or sys.stderr

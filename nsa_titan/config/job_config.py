@@ -35,6 +35,10 @@ class Job:
 
     def validate(self) -> None:
         _check(bool(self.dump_folder), "job.dump_folder", "must not be empty; e.g. --job.dump_folder ./outputs")
+        import os
+
+        _check(not os.path.exists(self.dump_folder) or os.path.isdir(self.dump_folder), "job.dump_folder",
+               f"{self.dump_folder!r} is a file, not a folder; pass another --job.dump_folder")
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Training:
         for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
             value = getattr(self, name)
             _check(value >= 1, f"training.{name}", f"must be >= 1, got {value}; pass a positive --training.{name}")
+        _check(self.seq_len >= 2, "training.seq_len", f"must be >= 2 (a sequence of 1 token has nothing to predict "
+               f"within it), got {self.seq_len}; e.g. --training.seq_len 512")
         _check(self.max_norm > 0 and math.isfinite(self.max_norm), "training.max_norm",
                f"must be a positive finite number, got {self.max_norm}; e.g. --training.max_norm 1.0")
         _check(self.seed >= 0, "training.seed", f"must be >= 0, got {self.seed}")
@@ -203,6 +209,9 @@ class Data:
     retrieval_mix: float = 0.0
     """Fraction of training sequences that are retrieval samples when the dataset is a text corpus
     (dataset 'retrieval' is all retrieval)."""
+    on_error: Literal["skip", "fail"] = "skip"
+    """Files under data.path that are not UTF-8 text (or not readable): 'skip' trains without them and names
+    them (with the count) in a warning at start-up; 'fail' stops with that list instead."""
 
     def validate(self) -> None:
         if self.dataset in ("text_files", "hf"):

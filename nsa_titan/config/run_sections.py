@@ -109,6 +109,11 @@ class Checkpoint:
     """'latest': the newest complete checkpoint in the folder, if any (needs checkpoint.enable; corrupt or
     partial ones are reported and skipped); 'none': start fresh; or a checkpoint folder (a path, or a name
     such as step-00000100 inside the folder), which must be complete."""
+    keep_saved_hyperparams: bool = False
+    """On resume, keep the optimizer hyper-parameters saved in the checkpoint (lr, betas, eps, weight_decay)
+    instead of this run's settings. Off: this run's [optimizer] values win (a log line lists what changed),
+    so e.g. a resume after the non-finite stop can lower optimizer.lr. The LR schedule's shape
+    ([lr_scheduler], training.steps) is always this run's."""
     export_at_end: bool = False
     """After the last step, also write model.safetensors (Hugging Face style names) + config.json for
     inference into <folder>/export-step-N (needs the `safetensors` package)."""
@@ -155,6 +160,11 @@ class Fault:
     collective_timeout_s: float = 900.0
     """Timeout of the process group's collectives (init_process_group(timeout=...)): a collective that
     waits longer fails instead of hanging."""
+    stop_grace_s: float = 25.0
+    """After SIGTERM (preemption) or SIGINT, the run finishes the current step, saves a checkpoint (when
+    checkpoint.enable), writes the summary and exits with code 143 (SIGTERM) or 130 (SIGINT). If that takes
+    longer than this, it exits at once with the same code (the previous checkpoint stays intact). Keep it
+    below the scheduler's kill delay (SLURM KillWait, Kubernetes terminationGracePeriodSeconds: 30 s)."""
 
     def validate(self) -> None:
         _check(self.nonfinite_max_skips >= 0, "fault.nonfinite_max_skips",
@@ -162,7 +172,7 @@ class Fault:
         for name in ("watchdog_timeout_s", "watchdog_first_step_timeout_s"):
             value = getattr(self, name)
             _check(value >= 0 and math.isfinite(value), f"fault.{name}", f"must be >= 0 seconds (0: off), got {value}")
-        for name in ("heartbeat_interval_s", "peer_timeout_s", "collective_timeout_s"):
+        for name in ("heartbeat_interval_s", "peer_timeout_s", "collective_timeout_s", "stop_grace_s"):
             value = getattr(self, name)
             _check(value > 0 and math.isfinite(value), f"fault.{name}", f"must be > 0 seconds, got {value}")
         _check(self.peer_timeout_s >= 2 * self.heartbeat_interval_s, "fault.peer_timeout_s",

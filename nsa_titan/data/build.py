@@ -29,6 +29,7 @@ DATA_DEFAULTS = types.MappingProxyType({
     "retrieval_key_len": 4,
     "retrieval_value_len": 4,
     "retrieval_mix": 0.0,
+    "on_error": "skip",
 })
 
 
@@ -38,13 +39,13 @@ def _cfg(data_cfg, name):
 
 def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int, rank: int = 0,
                      world_size: int = 1, seed: int = 42, split: str = "train",
-                     vocab_size: int | None = None, pin_memory: bool | None = None) -> StatefulLoader:
+                     vocab_size: int | None = None, pin_memory: bool | None = None, report=None) -> StatefulLoader:
     """Loader for this rank's shard of ``split`` ("train" or "val").
 
     Both splits are infinite: train reshuffles documents every epoch; val is read in a
     fixed order and cycles (call ``loader.reset()`` or build a fresh loader to evaluate
     the same batches each time). ``vocab_size`` (the model's) is checked against the
-    tokenizer when given. Corpus text is read and tokenized here, once, and kept by the
+    tokenizer when given. ``report``: where warnings about skipped files go (default: warnings.warn). Corpus text is read and tokenized here, once, and kept by the
     returned loader.
     """
     dataset = _cfg(data_cfg, "dataset")
@@ -78,7 +79,8 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     if dataset == "stdlib":
         corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
     elif dataset == "text_files" or (dataset == "retrieval" and path):
-        corpus = tokenize_documents(text_file_documents(path, split, val_fraction), tokenizer)
+        corpus = tokenize_documents(text_file_documents(path, split, val_fraction, on_error=_cfg(data_cfg, "on_error"),
+                                                        report=report), tokenizer)
     else:
         corpus = None
     if dataset == "hf":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -54,13 +55,34 @@ def _check_split(split: str, val_fraction: float) -> None:
 
 def _read_utf8(path: str) -> bytes | None:
     """File bytes, or None when unreadable or not valid UTF-8 (a few stdlib test files are latin-1)."""
+    data, _ = _read_text_file(path)
+    return data
+
+
+def _read_text_file(path: str) -> tuple[bytes | None, str | None]:
+    """(bytes, None), or (None, why the file cannot be used as UTF-8 text)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
+    except OSError as e:
+        return None, f"unreadable: {e.strerror or e}"
+    try:
         data.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    return data
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}"
+    return data, None
+
+
+def _report_bad_files(path: str, bad: list[tuple[str, str]], total: int, on_error: str, report) -> None:
+    """Never drop files silently: name them (and why) with a warning, or fail when data.on_error = "fail"."""
+    if not bad:
+        return
+    shown = "; ".join(f"{f} ({why})" for f, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+    if on_error == "fail":
+        raise ValueError(f"data.path: {len(bad)} of {total} files under {path!r} cannot be read as UTF-8 text: {shown}; "
+                         "fix or remove them, or set data.on_error = \"skip\" to train without them")
+    report(f"data.path: skipped {len(bad)} of {total} files under {path!r} that cannot be read as UTF-8 text: "
+           f"{shown} (data.on_error = \"fail\" stops on such files instead)")
 
 
 def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
@@ -101,32 +123,44 @@ def _list_text_files(path: str) -> list[str]:
     raise ValueError(f"data.path: {path!r} does not exist; set data.path to a text file, a directory or a glob")
 
 
-def text_file_documents(path: str, split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
+def text_file_documents(path: str, split: str = "train", val_fraction: float = 0.01, *, on_error: str = "skip",
+                        report=None) -> list[bytes]:
     """Documents from a directory (recursive, TEXT_EXTENSIONS), a glob, or a single file.
 
     Several files are split by a hash of their path relative to ``path``. A single file
     cannot be split that way, so its last ``val_fraction`` of bytes (cut at a newline)
-    is the val split and the rest is train.
+    is the val split and the rest is train. Files of the split that are not UTF-8 (or not
+    readable) are named through ``report`` (default: ``warnings.warn``) and skipped, or
+    raise a ValueError with ``on_error="fail"``; a single such file is always an error.
     """
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"data.on_error must be \"skip\" or \"fail\", got {on_error!r}")
+    report = report or (lambda message: warnings.warn(message, stacklevel=3))
     _check_split(split, val_fraction)
     if not path:
         raise ValueError("data.path is required for data.dataset=\"text_files\"; set it to a file, directory or glob")
     files = _list_text_files(path)
     base = path if os.path.isdir(path) else os.path.dirname(path)
     if len(files) == 1:
-        data = _read_utf8(files[0]) or b""
+        data, why = _read_text_file(files[0])
+        if why:
+            raise ValueError(f"data.path: {files[0]} cannot be read as UTF-8 text ({why}); point data.path at text files")
         cut = len(data) - int(len(data) * val_fraction)
         nl = data.rfind(b"\n", 0, cut)
         cut = nl + 1 if nl > 0 else cut
         part = data[cut:] if split == "val" else data[:cut]
         docs = [part] if part else []
     else:
-        docs = []
+        docs, bad, total = [], [], 0
         for f in files:
             if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction):
-                data = _read_utf8(f)
-                if data:
+                total += 1
+                data, why = _read_text_file(f)
+                if why:
+                    bad.append((os.path.relpath(f, base), why))
+                elif data:
                     docs.append(data)
+        _report_bad_files(path, bad, total, on_error, report)
     if not docs:
         raise ValueError(
             f"data.path: no UTF-8 text found in {path!r} for split={split!r} ({len(files)} candidate files); "

@@ -8,7 +8,9 @@ Accepted ``path``s:
   "names" table);
 - a DCP checkpoint folder (``torch.distributed.checkpoint``: a ``.metadata`` file), with the model's tensors
   stored as "model.<name>" (nsa_titan.checkpoint) or at top level. When the folder has the marker of
-  nsa_titan.checkpoint, it is validated with that package's ``inspect_checkpoint`` first.
+  nsa_titan.checkpoint, it is validated with that package's ``inspect_checkpoint`` first. Its ``.metadata``
+  is unpickled with an allow-list and only tensor entries are read (``nsa_titan.checkpoint.safe_load``), so
+  loading runs no code from the folder; a safetensors export is still the format to share weights in.
 
 Safetensors files are read by the small parser below (the format is an 8-byte length, a JSON header and
 raw little-endian tensors), so inference needs no extra package.
@@ -89,7 +91,7 @@ def _strip(name: str) -> str:
 
 
 def _load_dcp(model: nn.Module, folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - only DCP checkpoints need it
+    from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely  # noqa: PLC0415 - DCP only
 
     if (folder / "nsa_checkpoint.json").is_file():
         try:
@@ -100,7 +102,7 @@ def _load_dcp(model: nn.Module, folder: Path) -> None:
             _, problem = inspect_checkpoint(folder)
             if problem:
                 raise ValueError(f"{folder}: incomplete checkpoint ({problem}); pick another step-* folder")
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    saved = read_metadata_safely(folder).state_dict_metadata
     mine = {k: v for k, v in model.state_dict().items() if k not in _NOT_SAVED}
     nested = any(k.startswith("model.") for k in saved)  # nsa_titan.checkpoint: {"model": ..., "optimizer": ...}
     prefix = "model." if nested else ""
@@ -113,7 +115,7 @@ def _load_dcp(model: nn.Module, folder: Path) -> None:
         raise ValueError(f"{folder}: DCP checkpoint lacks this model's tensors or holds others (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}): check that --config / --model.* "
                          "describe the trained model")
-    dcp.load({"model": mine} if nested else mine, checkpoint_id=str(folder), no_dist=True)
+    load_tensors({"model": mine} if nested else mine, folder, no_dist=True)
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
