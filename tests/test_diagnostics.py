@@ -20,6 +20,7 @@ from nsa_titan.components.diagnostics import (
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.config import load_job_config
+from nsa_titan.config.job_config import Compile
 from nsa_titan.models import build_model, get_model_args
 from nsa_titan.models.nsa import reference
 from nsa_titan.models.nsa.common import NSAParams
@@ -196,7 +197,7 @@ def test_compiled_checkpointed_blocks_record_the_same_values_with_one_extra_grap
     torch._dynamo.reset()
     model = tiny_model()
     apply_ac(model, SimpleNamespace(mode="full", ratio=1.0))
-    apply_compile(model, SimpleNamespace(fullgraph=True), backend="eager")  # the tracing, not code generation
+    apply_compile(model, Compile(enable=True), backend="eager")  # the tracing, not code generation
     diag = NSADiagnostics.attach(model)
     start = counters["stats"]["unique_graphs"]
     model(tokens).sum().backward()

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from _dist_worker import launch, tiny_args
 from nsa_titan.config import ConfigError, load_job_config
+from nsa_titan.config.job_config import Compile
 from nsa_titan.models import build_model
 from nsa_titan.parallelisms import ParallelDims, apply_ac, apply_compile, parallelize_nsa, ratio_block_ids
 
@@ -134,7 +135,7 @@ def test_gradient_check_would_catch_a_late_bound_recompute():
 def _saved_bytes(budget: float) -> int:
     torch._dynamo.reset()  # dynamo's guards ignore the budget: without a reset the first compile is reused
     model, tokens = _model_and_batch(n_layers=1)
-    apply_compile(model, SimpleNamespace(fullgraph=True), memory_budget=budget, backend="aot_eager_decomp_partition")
+    apply_compile(model, Compile(enable=True), memory_budget=budget, backend="aot_eager_decomp_partition")
     saved = []
 
     def pack(t):
