@@ -41,9 +41,11 @@ def run(argv: list[str], hooks=None) -> tuple[dict, str]:
 
 
 def losses(dump: Path) -> dict[int, float]:
-    """Per-step training loss of the LAST run in ``dump`` (each run rewrites metrics.jsonl; log_freq 1)."""
+    """Per-step training loss of the LAST run in ``dump`` (log_freq 1): a resumed run appends to metrics.jsonl
+    after a ``resume`` marker, so its records are those after the last marker."""
     recs = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["type"] == "train"}
+    starts = [i for i, r in enumerate(recs) if r["type"] == "resume"]
+    return {r["step"]: r["loss"] for r in recs[starts[-1] + 1 if starts else 0:] if r["type"] == "train"}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -68,6 +68,10 @@ def test_exact_resume(tmp_path, straight, mode):
     assert "resumed from" in out and step_dir_name(10) in out
     b = losses(tmp_path)
     assert sorted(b) == list(range(11, STEPS + 1))  # the resumed run did not redo steps 1..10
+    log = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The resumed run appended: the first run's steps 1..10 are kept, then a resume marker at step 10.
+    assert [(r["type"], r["step"]) for r in log if r["type"] in ("train", "resume")] == [
+        *(("train", s) for s in range(1, 11)), ("resume", 10), *(("train", s) for s in range(11, STEPS + 1))]
     assert_same(straight, {**a, **b}, range(1, STEPS + 1))
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [15, 20]  # keep_latest_k=2
     meta, problem = inspect_checkpoint(tmp_path / "checkpoints" / step_dir_name(20))

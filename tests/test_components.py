@@ -185,6 +185,39 @@ def run_logger(tmp_path, busy_fraction, steps=6, lines=None):
     return logger
 
 
+def test_fresh_run_moves_an_earlier_log_aside_and_resumed_run_appends(tmp_path):
+    from nsa_titan.plot import read_curves
+
+    run_logger(tmp_path, busy_fraction=1.0)  # run 1: steps 1..6
+    first = (tmp_path / "metrics.jsonl").read_text()
+    lines = []
+    run_logger(tmp_path, busy_fraction=1.0, lines=lines)  # run 2, fresh: run 1's log must not be erased
+    assert (tmp_path / "metrics.1.jsonl").read_text() == first and any("metrics.1.jsonl" in s for s in lines)
+    logger = MetricsLogger(metrics_cfg(), dump_folder=tmp_path, total_steps=8, device=torch.device("cpu"),
+                           resumed_at_step=4)  # run 3 resumes run 2 from its step-4 checkpoint
+    logger.step_start()
+    logger.step_end(5, torch.tensor(50.0), torch.tensor(1.0), 10)
+    logger.log(5, lr=1e-3)
+    logger.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["type"], r["step"]) for r in recs] == [("train", 1), ("train", 2), ("train", 4), ("train", 6),
+                                                      ("resume", 4), ("train", 5)]
+    curves = read_curves(tmp_path)["train"]  # the last record of each step wins
+    assert sorted(curves) == [1, 2, 4, 5, 6] and curves[5]["loss"] == 50.0
+
+
+def test_plot_writes_one_png_for_several_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nsa_titan.plot import main as plot_main
+
+    for name in ("a", "b"):
+        run_logger(tmp_path / name, busy_fraction=1.0)
+    plot_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c.png")])
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="dump folder"):
+        plot_main([str(tmp_path / "missing")])
+
+
 def test_metrics_jsonl_keys_and_values(tmp_path):
     lines = []
     logger = run_logger(tmp_path, busy_fraction=1.0, lines=lines)

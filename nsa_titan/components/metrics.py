@@ -153,6 +153,7 @@ class MetricsLogger:
         print_fn: Callable[[str], None] | None = None,
         busy_warn_threshold: float = 0.9,
         tokens_seen: int = 0,
+        resumed_at_step: int = 0,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -181,7 +182,7 @@ class MetricsLogger:
             if metrics_cfg.jsonl_file:
                 self.jsonl_path = folder / metrics_cfg.jsonl_file
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-                self._jsonl = open(self.jsonl_path, "w", buffering=1)  # line-buffered: readable while running
+                self._jsonl = self._open_jsonl(self.jsonl_path, resumed_at_step)
             if metrics_cfg.enable_tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
@@ -190,6 +191,22 @@ class MetricsLogger:
                 except ImportError as e:
                     self._print(f"WARNING: metrics.enable_tensorboard is set but TensorBoard is unavailable ({e}); "
                                 "logging to console/JSONL only")
+
+    def _open_jsonl(self, path: Path, resumed_at_step: int):
+        """Line-buffered (readable while running) and never losing an earlier record: a resumed run appends
+        after a ``{"type": "resume"}`` marker (steps logged after the checkpoint by the interrupted run stay in
+        the file; readers keep the last record of each step); a fresh run moves an existing log aside."""
+        if resumed_at_step > 0 and path.exists():
+            f = open(path, "a", buffering=1)
+            f.write(json.dumps({"type": "resume", "step": resumed_at_step}) + "\n")
+            return f
+        if path.exists() and path.stat().st_size > 0:
+            n = 1
+            while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+                n += 1
+            path.rename(kept)
+            self._print(f"metrics: {path} held an earlier run's log; moved it to {kept.name}")
+        return open(path, "w", buffering=1)
 
     # ---- hot path (no host syncs) ----
     def _reset_window(self, start: float | None) -> None:
