@@ -41,6 +41,7 @@ from nsa_titan.components.runtime import (
 from nsa_titan.components.train_step import evaluate, move_batch
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
+from nsa_titan.data.documents import add_document_inputs
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.parallelisms import (
@@ -90,7 +91,10 @@ def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims, dp_
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
                               rank=dp_rank, world_size=dims.dp_degree, seed=tc.seed, split="val", report=report)
-    return [next(loader) for _ in range(job_config.metrics.val_steps)]
+    batches = [next(loader) for _ in range(job_config.metrics.val_steps)]
+    if job_config.data.document_mask:
+        batches = [add_document_inputs(b, tokenizer.eos_id, job_config.data.restart_positions) for b in batches]
+    return batches
 
 
 def _uses_retrieval(job_config: JobConfig) -> bool:
@@ -188,6 +192,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, tc.steps)
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
+    dc = job_config.data
+
+    def with_documents(batch):  # document starts (and restarted positions) of packed sequences, on device
+        return add_document_inputs(batch, tokenizer.eos_id, dc.restart_positions) if dc.document_mask else batch
 
     first_step = res.start(model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader, device=device)
     dump = Path(job_config.job.dump_folder)
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             with logger.data_loading():  # host-side data work, logged as data-loading time
                 micro_batches = [next(train_loader) for _ in range(tc.grad_accum_steps)]
             logger.step_start()
-            micro_batches = [move_batch(mb, device) for mb in micro_batches]
+            micro_batches = [with_documents(move_batch(mb, device)) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
             if job_config.compile.cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
                 torch.compiler.cudagraph_mark_step_begin()

@@ -156,6 +156,7 @@ def test_toml_int_accepted_for_float_but_not_bool_for_int(tmp_path):
     (["--steps", "3"], ["--steps", "--section.key"]),
     (["--confg", "x.toml"], ["--confg", "did you mean 'config'"]),
     (["--compile.mode", "reduce-overhead"], ["compile.mode", "--compile.enable"]),
+    (["--data.restart_positions"], ["data.restart_positions", "--data.document_mask"]),
     (["--compile.enable", "--compile.mode", "cudagraphs"], ["compile.mode", "'reduce-overhead'"]),
 ])
 def test_cli_errors_name_key_and_fix(argv, must_contain):

@@ -26,7 +26,22 @@ CASES = [  # small T and few KV heads: the interpreter pays per program and per 
     ("g2_fp16", 1, 61, 4, 2, 32, 32, (8, 4, 8, 4, 24), "float16"),
     ("short_T", 1, 5, 2, 1, 32, 32, (8, 4, 16, 4, 24), "float32"),  # T < l: no compressed token
 ]
+# Packed documents (doc_start from these first positions per batch row): starts inside blocks, on block edges,
+# one-token documents, a document that starts after block 0 ends.
+DOC_CASES = [
+    ("doc_g2_b2", 2, 77, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float32", [[0, 23, 40, 64], [0, 50]]),
+    ("doc_g6", 1, 130, 12, 2, 16, 16, (16, 8, 16, 4, 24), "float32", [[0, 7, 33, 96]]),
+    ("doc_g16_tiny_docs", 1, 70, 16, 1, 32, 32, (8, 8, 8, 5, 12), "float32", [[0, 1, 35, 36, 69]]),
+]
 TOL = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+def _doc_start(starts_per_row, t):
+    import torch
+
+    rows = [torch.tensor(st)[torch.searchsorted(torch.tensor(st), torch.arange(t), right=True) - 1]
+            for st in starts_per_row]
+    return torch.stack(rows)
 
 
 def _rel(a, b) -> float:
@@ -41,7 +56,8 @@ def _run_case(case, device):
     from nsa_titan.models.nsa import reference, torch_impl
     from nsa_titan.models.nsa.common import NSAParams
 
-    name, B, T, HQ, HKV, DK, DV, geo, dt = case
+    name, B, T, HQ, HKV, DK, DV, geo, dt = case[:9]
+    doc = _doc_start(case[9], T).to(device) if len(case) > 9 else None
     p = NSAParams(*geo)
     dtype = getattr(torch, dt)
     gen = torch.Generator().manual_seed(hash(name) % 2**31)
@@ -58,7 +74,7 @@ def _run_case(case, device):
 
     def run(fn, xs):
         xs = [x.detach().requires_grad_(True) for x in xs]
-        out, sel = fn(*xs, p)
+        out, sel = fn(*xs, p, doc_start=doc)
         out.backward(dout.to(out.dtype))
         return out.detach(), sel, [x.grad for x in xs]
 
@@ -74,7 +90,7 @@ def _run_case(case, device):
     mine = torch_impl.blocks_to_mask(idx.long(), T, p)
     sel_ok = bool((mine == chosen).all())
     # Same indices in the same order as the portable path (descending importance, ties to the lower index).
-    _, ti_idx = torch_impl.nsa_attention(*[x.float() for x in ins], p)
+    _, ti_idx = torch_impl.nsa_attention(*[x.float() for x in ins], p, doc_start=doc)
     order_ok = bool((ti_idx == idx).all())
     _, _, grads2 = run(nsa_attention, ins)
     determ = all(a is None or bool(torch.equal(a, b)) for a, b in zip(grads, grads2))
@@ -140,26 +156,29 @@ def _blocks_fwd_check(device):
     from nsa_titan.models.nsa.common import NSAParams
 
     worst = {}
-    for name, B, T, HQ, HKV, DK, DV, geo, dt in CASES:
+    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
         p, dtype = NSAParams(*geo), getattr(torch, dt)
+        doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
         gen = torch.Generator().manual_seed(1)
         q, kc, ks, vs = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
                          [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK), (B, T, HKV, DK), (B, T, HKV, DV)])
         if kc.shape[1] == 0:
             continue
-        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0)
-        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
-        o_tok, lse_tok = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="token"))
-        o_blk, lse_blk = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32))
+        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
+        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, doc_start=doc)
+        o_tok, lse_tok = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="token"), doc_start=doc)
+        o_blk, lse_blk = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
+                                          doc_start=doc)
         same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
         fin = torch.isfinite(lse_tok)
         worst[name] = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
         worst[name] = worst[name] if same_inf and worst[name] < TOL[dt] else float("inf")
-    return {"ok": len(worst) == len(CASES) - 1 and max(worst.values()) < float("inf"), "worst": worst}
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf"),
+            "worst": worst}
 
 
 def main(device: str) -> None:
-    for case in CASES:
+    for case in CASES + DOC_CASES:
         t0 = time.time()
         try:
             res = _run_case(case, device)
@@ -194,7 +213,8 @@ def verdicts():
     return found
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["compile_fullgraph", "no_aux_grads", "sel_blocks"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES] + ["compile_fullgraph", "no_aux_grads",
+                                                                       "sel_blocks"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"

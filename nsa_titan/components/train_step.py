@@ -26,6 +26,12 @@ def move_batch(batch: Batch, device: torch.device) -> Batch:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def model_inputs(batch: Batch) -> dict:
+    """The model's keyword inputs besides the tokens: document starts and RoPE positions when the batch has
+    them (data.document_mask, data/documents.py); empty otherwise."""
+    return {k: batch[k] for k in ("doc_start", "positions") if k in batch}
+
+
 def count_target_tokens(micro_batches: Iterable[Batch]) -> torch.Tensor:
     """Number of non-ignored labels, as a device tensor (no host sync)."""
     counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
@@ -50,7 +56,7 @@ def forward_backward(
     total = None
     for mb in micro_batches:
         with autocast():
-            logits = model(mb["input"])
+            logits = model(mb["input"], **model_inputs(mb))
         loss = token_loss_sum(logits, mb["labels"]) / n_tokens
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -78,7 +84,7 @@ def evaluate(
         for batch in batches:
             batch = move_batch(batch, device)
             with autocast():
-                logits = model(batch["input"])
+                logits = model(batch["input"], **model_inputs(batch))
             loss_sum += token_loss_sum(logits, batch["labels"])
             n_tokens += count_target_tokens([batch])
             if retrieval_fn is not None:

@@ -212,6 +212,13 @@ class Data:
     on_error: Literal["skip", "fail"] = "skip"
     """Files under data.path that are not UTF-8 text (or not readable): 'skip' trains without them and names
     them (with the count) in a warning at start-up; 'fail' stops with that list instead."""
+    document_mask: bool = False
+    """Packed sequences hold several documents separated by the tokenizer's EOS token; with this on, every token
+    attends only to its own document (the token after an EOS starts a new one) in all three NSA branches and in
+    dense attention. The rules are in models/nsa/reference.py."""
+    restart_positions: bool = False
+    """With document_mask: RoPE positions restart at 0 at each document start (the model sees every document as
+    if it were alone). Off: positions count from the start of the packed sequence."""
 
     def validate(self) -> None:
         if self.dataset in ("text_files", "hf"):
@@ -231,6 +238,8 @@ class Data:
             value = getattr(self, name)
             _check(value >= 1, f"data.{name}", f"must be >= 1, got {value}")
         _check(0 <= self.retrieval_mix <= 1, "data.retrieval_mix", f"must be in [0, 1], got {self.retrieval_mix}")
+        _check(self.document_mask or not self.restart_positions, "data.restart_positions",
+               "restarts positions at document starts, which needs --data.document_mask")
 
 
 @dataclass

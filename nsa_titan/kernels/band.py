@@ -13,6 +13,10 @@ Rows that see nothing get output 0 and LSE = +inf, which makes every recomputed 
 exactly 0 in the backward and in the block selection, without special cases.
 dK/dV are computed per key tile (no atomics: deterministic); long query ranges are split into NSPLIT
 contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
+
+Document masking (DOC, with DS = doc_start [B, T] int32): key i is also hidden from query t when its span
+starts before t's document, i * KSTRIDE < DS[t]; the forward and dQ start their key loop at the tile's
+earliest document start.
 """
 
 from __future__ import annotations
@@ -47,6 +51,23 @@ def _visible(t, pos, kmask, WIN: tl.constexpr):
 
 
 @triton.jit
+def _doc_rows(DS, b, t, row_ok, T, DOC: tl.constexpr):
+    """Document start of every row (0 without documents: nothing extra is masked)."""
+    if DOC:
+        return tl.load(DS + b * T + t, mask=row_ok, other=0)
+    return t * 0
+
+
+@triton.jit
+def _doc_key_start(i_start, ds, row_ok, T, KSTRIDE: tl.constexpr, DOC: tl.constexpr):
+    """Raise a tile's first key to the first one inside its earliest document."""
+    if DOC:
+        first = tl.min(tl.where(row_ok, ds, T))
+        i_start = tl.maximum(i_start, (first + KSTRIDE - 1) // KSTRIDE)
+    return i_start
+
+
+@triton.jit
 def _key_range(t_lo, t_hi, S, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr):
     """Keys [i_start, i_end) that any query in [t_lo, t_hi] can see (integer division truncates: guard < 0)."""
     i_end = tl.where(t_hi >= KOFF, (t_hi - KOFF) // KSTRIDE + 1, 0)
@@ -59,11 +80,11 @@ def _key_range(t_lo, t_hi, S, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl
 
 
 @triton.jit
-def _band_fwd(Q, K, V, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
               T, S, G, HKV, qk_scale,
               KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
               GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              DKP: tl.constexpr, DVP: tl.constexpr):
+              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
@@ -72,6 +93,8 @@ def _band_fwd(Q, K, V, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob,
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     t_lo = pid_m * BT
     i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
+    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
     m_i = tl.full([BT * GP], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, DVP], tl.float32)
@@ -83,7 +106,10 @@ def _band_fwd(Q, K, V, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob,
         v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))
+        vis = _visible(t, i * KSTRIDE + KOFF, kmask, WIN)
+        if DOC:
+            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -99,11 +125,11 @@ def _band_fwd(Q, K, V, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob,
 
 
 @triton.jit
-def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                  T, S, G, HKV, qk_scale, sm_scale,
                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
                  GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr):
+                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
     """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
     branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -118,6 +144,8 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb,
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     t_lo = pid_m * BT
     i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
+    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
     dq = tl.zeros([BT * GP, DKP], tl.float32)
     for i0 in range(i_start, i_end, BK):
         i = i0 + tl.arange(0, BK)
@@ -127,10 +155,13 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb,
         v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), tl.exp2(s - lse[:, None]), 0.0)
+        vis = _visible(t, i * KSTRIDE + KOFF, kmask, WIN)
+        if DOC:
+            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
+        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dsc = p * (dp - delta[:, None])
+        dq += tl.dot(dsc.to(k.dtype), k)
     dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
     dq = dq * sm_scale
     if ACC:
@@ -139,11 +170,11 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqt, sqh, skb, sks, skh, svb,
 
 
 @triton.jit
-def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                    T, S, G, HKV, B, qk_scale, sm_scale, NSPLIT,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
                    GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   DKP: tl.constexpr, DVP: tl.constexpr):
+                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
     """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -178,11 +209,14 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, sqb, sqt, sqh, skb, sks,
         delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         vis = _visible(t, pos, kmask, WIN) & row_ok[:, None]
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        if DOC:
+            ds = tl.load(DS + b * T + t, mask=row_ok, other=0)
+            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
+        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dsc = p * (dp - delta[:, None])
+        acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
@@ -237,8 +271,9 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
     return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 
-def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None):
-    """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
+def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None, doc_start=None):
+    """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2).
+    ``doc_start`` [B,T] int32 contiguous or None (see the module doc)."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
@@ -246,16 +281,18 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     gp, bt, bk, kw = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
     grid = (triton.cdiv(T, bt), B * HKV)
-    _band_fwd[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                    T, S, G, HKV, DK**-0.5 * LOG2E, KSTRIDE=kstride, KOFF=koff, WIN=window, BT=bt, GP=gp,
-                    BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), **kw)
+    _band_fwd[grid](q, k, v, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3], *k.stride()[:3],
+                    *v.stride()[:3], *o.stride()[:3], T, S, G, HKV, DK**-0.5 * LOG2E, KSTRIDE=kstride, KOFF=koff,
+                    WIN=window, BT=bt, GP=gp, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)),
+                    DOC=doc_start is not None, **kw)
     return o, lse
 
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
-             cfg_dkdv: dict | None = None, delta=None, dq_acc=None):
+             cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None):
     """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
-    ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq."""
+    ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
+    ``doc_start`` as in band_fwd."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
@@ -263,11 +300,12 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     if delta is None:
         delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
     dims = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
-                DVP=pow2(max(DV, 16)))
+                DVP=pow2(max(DV, 16)), DOC=doc_start is not None)
+    ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     gp, bt, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-    _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, *strides, T, S, G, HKV,
+    _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, S, G, HKV,
                                                 DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, BK=bk, **dims,
                                                 ACC=dq_acc is not None, **kw)
     gp, bt, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
@@ -276,6 +314,6 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
-            q, k, v, do, lse, delta, dkp, dvp, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, BT=bt, GP=gp, BK=bk, **dims, **kw)
     return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)

@@ -10,6 +10,8 @@ launchers (band.py, select.py, selected.py, combine.py) stay callable on their o
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.library import custom_op
@@ -27,16 +29,17 @@ def _like(x: Tensor, shape=None, dtype=None) -> Tensor:
 
 
 def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n,
-                  window):
+                  window, doc_start):
     b, t, hq, _ = q.shape
     if k_cmp.shape[1] == 0:  # static shape: shorter than one compression block, nothing is visible
         o_cmp = q.new_zeros(b, t, hq, v_cmp.shape[-1])
         lse_cmp = torch.full((b, t, hq), float("inf"), device=q.device, dtype=torch.float32)
     else:
-        o_cmp, lse_cmp = band.band_fwd(q, k_cmp, v_cmp, cmp_stride, cmp_block - 1, 0)
-    block_idx = select.select_blocks(q, k_cmp, lse_cmp, cmp_block, cmp_stride, slc_block, top_n)
-    o_slc, lse_slc = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block)
-    o_win, lse_win = band.band_fwd(q, k_win, v_win, 1, 0, window)
+        o_cmp, lse_cmp = band.band_fwd(q, k_cmp, v_cmp, cmp_stride, cmp_block - 1, 0, doc_start=doc_start)
+    block_idx = select.select_blocks(q, k_cmp, lse_cmp, cmp_block, cmp_stride, slc_block, top_n,
+                                     doc_start=doc_start)
+    o_slc, lse_slc = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start)
+    o_win, lse_win = band.band_fwd(q, k_win, v_win, 1, 0, window, doc_start=doc_start)
     out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
     return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win
 
@@ -45,14 +48,17 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 @custom_op("nsa_titan::nsa_fwd", mutates_args=())
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-            window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> out, block_idx, and per branch (o, lse) for the backward (cmp, slc, win)."""
+            window: int, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                      Tensor, Tensor]:
+    """-> out, block_idx, and per branch (o, lse) for the backward (cmp, slc, win). ``doc_start`` [B, T]
+    int32 contiguous or None: document masking in every branch (reference.py's rules)."""
     return _branches_fwd(*map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)), gates.contiguous(),
-                         cmp_block, cmp_stride, slc_block, top_n, window)
+                         cmp_block, cmp_stride, slc_block, top_n, window, doc_start)
 
 
 @nsa_fwd.register_fake
-def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window):
+def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
+      doc_start=None):
     b, t, hq, _ = q.shape
     o = _like(q, (b, t, hq, v_slc.shape[-1]))
     lse = _like(q, (b, t, hq), torch.float32)
@@ -64,34 +70,35 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
 def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
             lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, cmp_block: int, cmp_stride: int, slc_block: int,
-            window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            window: int, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                      Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
     dq, dk_slc, dv_slc = selected.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, block_idx.contiguous(),
-                                          slc_block, delta=delta[1])
+                                          slc_block, delta=delta[1], doc_start=doc_start)
     _, dk_win, dv_win = band.band_bwd(do_win, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
-                                      dq_acc=dq)
+                                      dq_acc=dq, doc_start=doc_start)
     if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
         dk_cmp, dv_cmp = torch.zeros_like(k_cmp), torch.zeros_like(v_cmp)
     else:
         _, dk_cmp, dv_cmp = band.band_bwd(do_cmp, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0,
-                                          delta=delta[0], dq_acc=dq)
+                                          delta=delta[0], dq_acc=dq, doc_start=doc_start)
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
 @nsa_bwd.register_fake
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
-      o_win, lse_win, cmp_block, cmp_stride, slc_block, window):
+      o_win, lse_win, cmp_block, cmp_stride, slc_block, window, doc_start=None):
     return tuple(_like(x) for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
 
 
 def _nsa_setup(ctx, inputs, output):
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window = inputs
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc = inputs
     _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc,
-                          lse_slc, o_win, lse_win)
+                          lse_slc, o_win, lse_win, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
     ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win)
     # The seven auxiliary outputs never receive gradients: without this, autograd would allocate a zero
@@ -101,9 +108,10 @@ def _nsa_setup(ctx, inputs, output):
 
 def _nsa_backward(ctx, dout, *_unused):
     if dout is None:  # the combined output was not used: nothing flows back
-        return (None,) * 13
-    grads = nsa_bwd(dout, *ctx.saved_tensors, *ctx.args)
-    return (*grads, None, None, None, None, None)
+        return (None,) * 14
+    *saved, doc_start = ctx.saved_tensors
+    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start)
+    return (*grads, None, None, None, None, None, None)
 
 
 nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
@@ -111,11 +119,14 @@ nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
 OPS = {"nsa_fwd": nsa_fwd, "nsa_bwd": nsa_bwd}
 
 
-def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p):
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None):
     """Same contract as torch_impl.nsa_attention: (o [B,T,HQ,Dv], block_idx [B,HKV,T,n] int64, -1 unused).
 
     ``p`` is duck-typed: cmp_block (l), cmp_stride (d), slc_block (l'), slc_top_n (n), window (w).
+    ``doc_start`` [B, T] (any integer dtype) or None: document masking (reference.py's rules).
     """
+    if doc_start is not None:
+        doc_start = doc_start.to(torch.int32).contiguous()
     out, block_idx, *_ = nsa_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p.cmp_block, p.cmp_stride,
-                                 p.slc_block, p.slc_top_n, p.window)
+                                 p.slc_block, p.slc_top_n, p.window, doc_start)
     return out, block_idx

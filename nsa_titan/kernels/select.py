@@ -11,6 +11,9 @@ non-negative floats the IEEE bit pattern is monotonic, so one integer comparison
 breaks ties towards the lower block index, which is the spec's rule. Forced blocks (0, current, previous)
 get +inf, non-candidates (blocks starting after t) key -1, which decodes to the unused index -1. Keys come
 out sorted by descending importance, the same order as torch_impl's stable sort.
+With documents (DOC), compressed tokens outside the row's document are masked, blocks that end before it are
+no candidates, the forced first block is the document's first, and the chunk loop starts at the tile's
+earliest such block.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from nsa_titan.kernels.combine import pow2
 
 
 @triton.jit
-def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
+def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
                    T, TC, NB, G, HKV, qk_scale,
                    CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
                    NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
                    CI: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, DK: tl.constexpr,
-                   DKP: tl.constexpr):
+                   DKP: tl.constexpr, DOC: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
@@ -43,6 +46,13 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     tt = pid_m * BT + tl.arange(0, BT)  # the tile's tokens, one per output row
     cur = tt // LP
+    first = tt * 0  # each token's forced first block: block 0, or its document's first block
+    j_lo = 0
+    if DOC:
+        ds_row = tl.load(DS + b * T + t, mask=row_ok, other=0)
+        ds_tok = tl.load(DS + b * T + tt, mask=tt < T, other=0)
+        first = ds_tok // LP
+        j_lo = tl.min(tl.where(tt < T, first, NB))  # blocks before every token's document: no candidate
     col = tl.arange(0, NP)
     jc = tl.arange(0, BJP)
     ci = tl.arange(0, CI)
@@ -50,7 +60,7 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
     # insertion), and the NP - n padding slots hold +inf-like keys so that they are never the minimum.
     best = tl.where(col[None, :] < NSEL, -2 - col[None, :].to(tl.int64), 2**62) + tl.zeros([BT, NP], tl.int64)
     nb_tile = tl.minimum((tl.minimum(pid_m * BT + BT, T) - 1) // LP + 1, NB)  # later blocks: no candidate
-    for j0 in range(0, nb_tile, BJ):
+    for j0 in range(j_lo, nb_tile, BJ):
         # Compressed tokens overlapping blocks j0 .. j0+BJ-1: i from j0*R - (LD-1), CI >= BJ*R + LD - 1 of them.
         i = j0 * R - (LD - 1) + ci
         imask = (i >= 0) & (i < TC)
@@ -58,7 +68,9 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
                      mask=imask[:, None] & (dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(kc)) * qk_scale
         vis = (i[None, :] * CD + CL - 1 <= t[:, None]) & imask[None, :] & row_ok[:, None]
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        if DOC:
+            vis = vis & (i[None, :] * CD >= ds_row[:, None])
+        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
         j = j0 + jc
         lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
@@ -66,9 +78,11 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
         w = (tl.maximum(hi - lo, 0) // CD).to(tl.float32)  # [CI, BJP] eq. 9 overlap in units of d
         # Broadcast-and-sum rather than tl.dot: exact fp32 (a tf32 dot would create spurious near-ties).
         imp = tl.sum(pg[:, :, None] * w[None, :, :], axis=1)  # [BT, BJP]
-        forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
+        forced = (j[None, :] == first[:, None]) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
         imp = tl.where(forced, float("inf"), imp)
         cand = (j[None, :] * LP <= tt[:, None]) & (jc[None, :] < BJ) & (j[None, :] < NB)
+        if DOC:
+            cand = cand & ((j[None, :] + 1) * LP > ds_tok[:, None])
         bits = imp.to(tl.int32, bitcast=True).to(tl.int64)
         key = tl.where(cand, (bits << 32) | (2147483647 - j[None, :]).to(tl.int64), -1)
         # Insert the chunk's keys that beat the row's current n-th best, largest first; the loop runs only
@@ -95,8 +109,9 @@ def _select_kernel(Q, KC, LSE, IDX, sqb, sqt, sqh, skb, sks, skh,
 
 
 def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-                  cfg: dict | None = None):
-    """q [B,T,HQ,Dk], k_cmp [B,Tc,HKV,Dk], lse [B,T,HQ] (band_fwd's) -> block_idx [B,HKV,T,n] int64."""
+                  cfg: dict | None = None, doc_start=None):
+    """q [B,T,HQ,Dk], k_cmp [B,Tc,HKV,Dk], lse [B,T,HQ] (band_fwd's) -> block_idx [B,HKV,T,n] int64.
+    ``doc_start`` [B,T] int32 or None: candidates overlap the token's document, whose first block is forced."""
     B, T, HQ, DK = q.shape
     TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // HKV
@@ -114,8 +129,8 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
     _select_kernel[(triton.cdiv(T, bt), B * HKV)](
-        q, k_cmp, lse, idx, *q.stride()[:3], *k_cmp.stride()[:3], T, TC, nb, G, HKV, DK**-0.5 * LOG2E,
-        CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n, NP=pow2(top_n), BT=bt, GP=gp,
-        CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)), num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
+        q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T, TC,
+        nb, G, HKV, DK**-0.5 * LOG2E, CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n,
+        NP=pow2(top_n), BT=bt, GP=gp, CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)),
+        DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     return idx

@@ -8,8 +8,11 @@ dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted 
 (selected_blocks.pair_keys: one torch.sort, static shapes, no host sync), which gives for every block the
 ascending list of tokens that selected it and its segment offsets (searchsorted). One program per block then
 walks its list, so each dK/dV row is written by exactly one program in a fixed order: deterministic. Block 0 is
-forced for every token, so its list is all of 0..T-1; it is cut into P0 fixed segments whose fp32 partial sums
-are added afterwards, which keeps that one block from serialising T tokens in a single program.
+forced for every token, so its list is all of 0..T-1 (with documents: the tokens whose document overlaps it);
+it is cut into P0 fixed segments whose fp32 partial sums are added afterwards, which keeps that one block from
+serialising T tokens in a single program.
+
+Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 
 For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py).
 """
@@ -26,9 +29,10 @@ from nsa_titan.kernels.selected_blocks import pair_keys, sel_fwd_blocks
 
 
 @triton.jit
-def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
              T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
-             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+             DOC: tl.constexpr):
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
@@ -41,12 +45,15 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     l_i = tl.zeros([GR], tl.float32)
     acc = tl.zeros([GR, DVP], tl.float32)
     idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    s_min = 0  # keys before the token's document are masked (unused slots, block -1, are below 0)
+    if DOC:
+        s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
         slot = n0 + c // BS
         blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
         s_pos = blk * LP + c % BS
-        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
         k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
                     mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
@@ -68,10 +75,10 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
 
 
 @triton.jit
-def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                 T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
                 GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-                ACC: tl.constexpr):
+                ACC: tl.constexpr, DOC: tl.constexpr):
     """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -87,18 +94,21 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, 
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     dq = tl.zeros([GR, DKP], tl.float32)
     idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    s_min = 0  # keys before the token's document are masked (unused slots, block -1, are below 0)
+    if DOC:
+        s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
         slot = n0 + c // BS
         blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
         s_pos = blk * LP + c % BS
-        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= 0)  # unused slot -1: s_pos < 0
+        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
         k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
                     mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.where(kmask[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -110,11 +120,11 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, sqb, sqt, sqh, skb, sks, skh, 
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV,
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G, HKV, P0, CH0, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
     """Program pid < P0: segment pid of block 0 -> fp32 partial PK/PV[bh, pid]; else block pid - P0 + 1 -> DK_/DV_."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -123,8 +133,10 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV,
     off_base = OFF + pid_bh.to(tl.int64) * (NB + 1)
     two = tl.arange(0, 2)
     seg = tl.load(off_base + blk + two)  # [start, end) of this block's token list
+    seg_end = tl.sum(tl.where(two == 1, seg, 0))
     lo = tl.where(is_b0, pid * CH0, tl.sum(tl.where(two == 0, seg, 0)))
-    hi = tl.where(is_b0, tl.minimum(pid * CH0 + CH0, T), tl.sum(tl.where(two == 1, seg, 0)))
+    # Block 0's list is all T tokens, except with documents (only those whose document overlaps block 0).
+    hi = tl.where(is_b0, tl.minimum(pid * CH0 + CH0, seg_end), seg_end)
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
@@ -152,7 +164,9 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV,
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         vis = (s_pos[None, :] <= t[:, None]) & kmask[None, :] & row_ok[:, None]
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        if DOC:
+            vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
+        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -204,8 +218,9 @@ def _consts(q, k, v, lp, n):
                    DVP=pow2(max(DV, 16)))
 
 
-def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
-    """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2)."""
+def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None):
+    """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2);
+    ``doc_start`` [B,T] int32 or None: keys before the token's document are masked."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
     G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
@@ -213,16 +228,17 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None):
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
     if lc.get("algo") == "blocks":
-        return sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc)
-    _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                           *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E, GR=max(16, pow2(G)), NPI=lc["NPI"],
-                           **c, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        return sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start)
+    _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
+                           *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E,
+                           GR=max(16, pow2(G)), NPI=lc["NPI"], **c, DOC=doc_start is not None,
+                           num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     return o, lse
 
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None, delta=None, dq_acc=None):
-    """-> (dq, dk, dv); ``delta`` and ``dq_acc`` as in band.band_bwd."""
+            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None):
+    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
@@ -233,9 +249,11 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
-    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, *strides, T, G, HKV,
+    ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
+    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
                               DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
-                              ACC=dq_acc is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+                              ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lc["num_warps"],
+                              num_stages=lc["num_stages"])
     # Inverse index: the (block, token, slot) triples sorted by block, each block's range in them.
     nb = -(-T // slc_block)
     keys, off = pair_keys(block_idx, nb)
@@ -252,8 +270,9 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
     bt = max(1, lc["rows"] // gp)
     _sel_bwd_dkdv[(p0 + nb - 1, B * HKV)](
-        q, k, v, do, lse, delta, keys, off, dk, dv, pk, pv, *strides, T, nb, G, HKV, p0, ch0,
-        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        q, k, v, do, lse, delta, keys, off, dk, dv, pk, pv, ds, *strides, T, nb, G, HKV, p0, ch0,
+        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, DOC=doc_start is not None, num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     l0 = min(slc_block, T)
     dk[:, :l0] = pk.sum(1)[:, :l0].view(B, HKV, l0, DK).transpose(1, 2).to(dk.dtype)
     dv[:, :l0] = pv.sum(1)[:, :l0].view(B, HKV, l0, DV).transpose(1, 2).to(dv.dtype)

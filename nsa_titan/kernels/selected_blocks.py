@@ -26,10 +26,10 @@ from nsa_titan.kernels.combine import pow2
 
 
 @triton.jit
-def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
                     BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    DKP: tl.constexpr, DVP: tl.constexpr):
+                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
@@ -59,6 +59,8 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, sqb, sqt, sqh, skb,
                 mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     vis = (s_pos[None, :] <= t[:, None]) & kmask[None, :] & row_ok[:, None]
+    if DOC:  # keys before the token's document are masked
+        vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
     s = tl.where(vis, s, float("-inf"))
     m = tl.maximum(tl.max(s, 1), -1e30)  # a row with no visible key keeps m finite: p = 0, l = 0
     p = tl.exp2(s - m[:, None])
@@ -136,7 +138,7 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int):
     return keys, off.to(torch.int32), coff.to(torch.int32), prog.to(torch.int32)
 
 
-def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict):
+def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None):
     """Same contract as selected.sel_fwd; ``consts``/``lc`` from selected._consts/_cfg (rows, warps, stages)."""
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
@@ -148,9 +150,9 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict):
     op = q.new_empty(B, T, HKV, n, G, DV)  # every used slot is written; unused ones are masked in the merge
     lp = torch.empty(B, T, HKV, n, G, device=q.device, dtype=torch.float32)
     _sel_fwd_blocks[(prog.shape[1], B * HKV)](
-        q, k, v, keys, off, coff, prog, op, lp, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634, BT=bt, GP=gp, **consts,
-        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
+        BT=bt, GP=gp, **consts, DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     mt = max(1, 64 // gp)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from nsa_titan.components.train_step import Batch, count_target_tokens, token_loss_sum
+from nsa_titan.components.train_step import Batch, count_target_tokens, model_inputs, token_loss_sum
 
 
 def _is_fsdp1(model: nn.Module) -> bool:
@@ -61,7 +61,7 @@ def forward_backward(
     for i, mb in enumerate(micro_batches):
         with grad_sync_context(model, sync=sync_every_micro_batch or i == last):
             with autocast():
-                logits = model(mb["input"])
+                logits = model(mb["input"], **model_inputs(mb))
             loss = token_loss_sum(logits, mb["labels"]) / n_tokens
             (loss * dp_degree if dp_degree > 1 else loss).backward()
         total += loss.detach()

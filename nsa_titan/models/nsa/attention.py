@@ -131,11 +131,11 @@ class NSAAttention(nn.Module):
         q, (k_raw, v_raw), slc, win, gates = self.project_raw(x, cos, sin)
         return q, (self.compress_k(k_raw), self.compress_v(v_raw)), slc, win, gates
 
-    def forward(self, x, cos, sin, return_blocks: bool = False):
+    def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None):
         b, t, _ = x.shape
         q, (kc, vc), (ks, vs), (kw, vw), gates = self.project(x, cos, sin)
         impl = resolve_impl(self.impl_name, q.device)  # device type is static: resolved at trace time
-        out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params)
+        out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params, doc_start=doc_start)
         diag = self.diagnostics
         if diag is not None and diag.enabled:  # a host bool (the trainer sets it on log steps): no device read
             self.diagnostics_out = diag.record(q, (kc, vc), (ks, vs), (kw, vw), gates, blocks, self.params)
@@ -171,12 +171,16 @@ class DenseAttention(nn.Module):
         k, v = self.wkv(x).view(b, t, self.n_kv_heads, -1).split([self.head_dim, self.v_head_dim], dim=-1)
         return q, apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc_start=None):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
+        mask = None
+        if doc_start is not None:  # causal within each document: a [B, 1, T, T] mask (O(T^2) memory)
+            s = torch.arange(t, device=x.device)
+            mask = (s[None, :] <= s[:, None]) & (s >= doc_start.view(b, 1, t, 1))
         # is_causal is safe here: queries and keys have the same length, so the mask is the usual one.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))

@@ -38,8 +38,8 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of the residual projections keeps the stream's variance flat with depth.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, doc_start=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, doc_start=doc_start)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self) -> None:
@@ -98,11 +98,19 @@ class NSATransformer(nn.Module):
         bound = 3 * self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] int64 -> logits [B, T, vocab]."""
+    def forward(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 -> logits [B, T, vocab].
+
+        Packed documents (data/documents.py): ``doc_start`` [B, T] limits attention to each token's document;
+        ``positions`` [B, T] are the RoPE positions (default 0..T-1 for every row).
+        """
         t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if positions is None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:  # [B, T, 1, 1, D/2]: broadcasts against [B, T, H, 2, D/2] in apply_rope
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, doc_start=doc_start)
         return self.output(self.norm(h))

@@ -19,6 +19,13 @@ The rules:
 - Selected attention: query t attends to the tokens s <= t of its selected blocks.
 - Sliding window: query t attends to s in [t - w + 1, t].
 - Gated output: o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win, gates in [0, 1] per head and branch.
+
+Document masking (``doc_start`` [B, T]: the position where token t's document begins; None = one document):
+every branch sees only the query's own document, s >= doc_start[t], on top of the rules above.
+- A compressed token is visible only if its whole span lies in the document: i*d >= doc_start[t].
+- Candidate blocks are those overlapping the document, (j+1)*l' > doc_start[t]; the forced first block is the
+  document's first block, doc_start[t] // l', instead of block 0 (the same block when doc_start is 0).
+- Selected and window attention mask keys s < doc_start[t].
 """
 
 from __future__ import annotations
@@ -52,19 +59,28 @@ def masked_attention(q, k, v, mask):
     return out.transpose(1, 2), probs
 
 
-def compressed_visibility(seq_len: int, p: NSAParams, device=None) -> torch.Tensor:
-    """[T, Tc] bool: compressed token i is visible to query t iff its whole block lies at or before t."""
+def doc_starts(doc_start, batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """[B, 1, T, 1] int64 document start of every query (zeros when ``doc_start`` is None: one document)."""
+    if doc_start is None:
+        return torch.zeros(batch, 1, seq_len, 1, dtype=torch.long, device=device)
+    return doc_start.long().view(batch, 1, seq_len, 1)
+
+
+def compressed_visibility(seq_len: int, p: NSAParams, device=None, ds=None) -> torch.Tensor:
+    """[T, Tc] bool (or [B, 1, T, Tc] with document starts ``ds`` [B, 1, T, 1]): compressed token i is
+    visible to query t iff its whole block lies at or before t (and, with documents, in t's document)."""
     t = torch.arange(seq_len, device=device)[:, None]
     i = torch.arange(p.num_cmp_tokens(seq_len), device=device)[None, :]
-    return i * p.cmp_stride + p.cmp_block - 1 <= t
+    visible = i * p.cmp_stride + p.cmp_block - 1 <= t
+    return visible if ds is None else visible & (i * p.cmp_stride >= ds)
 
 
-def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
+def compressed_attention(q, k_cmp, v_cmp, p: NSAParams, doc_start=None):
     """Returns (o_cmp [B, T, HQ, Dv], p_cmp [B, HQ, T, Tc])."""
     b, t, hq, _ = q.shape
     if k_cmp.shape[1] == 0:  # sequence shorter than one compression block: nothing is visible
         return q.new_zeros(b, t, hq, v_cmp.shape[-1]), q.new_zeros(b, hq, t, 0)
-    mask = compressed_visibility(t, p, q.device)
+    mask = compressed_visibility(t, p, q.device, doc_starts(doc_start, b, t, q.device))
     return masked_attention(q, k_cmp, v_cmp, mask)
 
 
@@ -86,18 +102,19 @@ def block_importance(p_cmp, n_kv_heads: int, p: NSAParams):
     return group_sum @ w
 
 
-def select_blocks(importance, p: NSAParams) -> torch.Tensor:
+def select_blocks(importance, p: NSAParams, doc_start=None) -> torch.Tensor:
     """importance [B, HKV, T, Nb] -> chosen [B, HKV, T, Nb] bool, by explicit ranking.
 
     A block's rank is the number of blocks that beat it: a higher key, or an equal key and a lower index.
-    Forced blocks get key +inf, blocks starting after t are not candidates.
+    Forced blocks get key +inf, blocks starting after t (or ending before t's document) are not candidates.
     """
-    t_len, nb = importance.shape[-2], importance.shape[-1]
+    b, t_len, nb = importance.shape[0], importance.shape[-2], importance.shape[-1]
     t = torch.arange(t_len, device=importance.device)[:, None]
     j = torch.arange(nb, device=importance.device)[None, :]
-    candidate = j * p.slc_block <= t
+    ds = doc_starts(doc_start, b, t_len, importance.device)
+    candidate = (j * p.slc_block <= t) & ((j + 1) * p.slc_block > ds)
     current = t // p.slc_block
-    forced = (j == 0) | (j == current) | (j == current - 1)
+    forced = (j == ds // p.slc_block) | (j == current) | (j == current - 1)
     key = torch.where(forced, torch.full_like(importance, float("inf")), importance)
     key = torch.where(candidate, key, torch.full_like(importance, float("-inf")))
     kj, kk = key[..., :, None], key[..., None, :]  # block j on dim -2, competitor k on dim -1
@@ -107,31 +124,33 @@ def select_blocks(importance, p: NSAParams) -> torch.Tensor:
     return candidate & (rank < p.slc_top_n)
 
 
-def selected_attention(q, k, v, chosen, p: NSAParams):
+def selected_attention(q, k, v, chosen, p: NSAParams, doc_start=None):
     """chosen [B, HKV, T, Nb] bool -> o_slc [B, T, HQ, Dv]; causal inside the current block."""
-    t_len = q.shape[1]
+    b, t_len = q.shape[:2]
     n_rep = q.shape[2] // k.shape[2]
     s = torch.arange(t_len, device=q.device)
     block_of_s = s // p.slc_block
-    token_mask = chosen[..., block_of_s] & (s[None, :] <= s[:, None])  # [B, HKV, T, T]
+    in_doc = (s[None, :] <= s[:, None]) & (s >= doc_starts(doc_start, b, t_len, q.device))  # [B, 1, T, T]
+    token_mask = chosen[..., block_of_s] & in_doc  # [B, HKV, T, T]
     return masked_attention(q, k, v, token_mask.repeat_interleave(n_rep, dim=1))[0]
 
 
-def window_attention(q, k, v, window: int):
-    t_len = q.shape[1]
+def window_attention(q, k, v, window: int, doc_start=None):
+    b, t_len = q.shape[:2]
     s = torch.arange(t_len, device=q.device)
     mask = (s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window)
+    mask = mask & (s >= doc_starts(doc_start, b, t_len, q.device))
     return masked_attention(q, k, v, mask)[0]
 
 
-def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams):
-    """The whole NSA attention. gates [B, T, HQ, 3] in (cmp, slc, win) order.
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams, doc_start=None):
+    """The whole NSA attention. gates [B, T, HQ, 3] in (cmp, slc, win) order; ``doc_start`` [B, T] or None.
 
     Returns (o [B, T, HQ, Dv], chosen [B, HKV, T, Nb] bool).
     """
-    o_cmp, p_cmp = compressed_attention(q, k_cmp, v_cmp, p)
-    chosen = select_blocks(block_importance(p_cmp.detach(), k_slc.shape[2], p), p)
-    o_slc = selected_attention(q, k_slc, v_slc, chosen, p)
-    o_win = window_attention(q, k_win, v_win, p.window)
+    o_cmp, p_cmp = compressed_attention(q, k_cmp, v_cmp, p, doc_start)
+    chosen = select_blocks(block_importance(p_cmp.detach(), k_slc.shape[2], p), p, doc_start)
+    o_slc = selected_attention(q, k_slc, v_slc, chosen, p, doc_start)
+    o_win = window_attention(q, k_win, v_win, p.window, doc_start)
     g = gates.unsqueeze(-1)
     return g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win, chosen

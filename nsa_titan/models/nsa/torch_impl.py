@@ -23,7 +23,12 @@ def _heads_first(x: torch.Tensor, n_rep: int = 1) -> torch.Tensor:
     return x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
 
 
-def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
+def _doc_start(doc_start, b: int, t: int) -> torch.Tensor | None:
+    """[B, 1, T, 1] int64 (broadcasts against [B, H, T, S] masks), or None for one document per sequence."""
+    return None if doc_start is None else doc_start.long().view(b, 1, t, 1)
+
+
+def compressed_attention(q, k_cmp, v_cmp, p: NSAParams, doc_start=None):
     """Returns (o_cmp [B, T, HQ, Dv], group-summed probabilities [B, HKV, T, Tc] (no grad))."""
     b, t, hq, dk = q.shape
     tc, hkv = k_cmp.shape[1], k_cmp.shape[2]
@@ -38,6 +43,9 @@ def compressed_attention(q, k_cmp, v_cmp, p: NSAParams):
     tpos = torch.arange(t, device=q.device)[:, None]
     ipos = torch.arange(tc, device=q.device)[None, :]
     visible = ipos * p.cmp_stride + p.cmp_block - 1 <= tpos  # [T, Tc]
+    ds = _doc_start(doc_start, b, t)
+    if ds is not None:  # the whole compressed span inside the query's document: [B, 1, 1, T, Tc]
+        visible = (visible & (ipos * p.cmp_stride >= ds)).unsqueeze(1)
     # A finite fill keeps rows with nothing visible NaN-free (forward and backward); multiplying by the
     # mask then zeroes them.
     scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
@@ -63,9 +71,9 @@ def overlap_weights(seq_len: int, p: NSAParams, device=None, dtype=torch.float32
     return w
 
 
-def select_blocks(group_probs, p: NSAParams) -> torch.Tensor:
+def select_blocks(group_probs, p: NSAParams, doc_start=None) -> torch.Tensor:
     """group_probs [B, HKV, T, Tc] -> block indices [B, HKV, T, n] (int64, -1 = unused slot)."""
-    t_len = group_probs.shape[2]
+    b, t_len = group_probs.shape[0], group_probs.shape[2]
     nb = p.num_slc_blocks(t_len)
     # fp32 even under autocast: bf16 importances would create ties that the reference does not have.
     with torch.autocast(group_probs.device.type, enabled=False):
@@ -73,9 +81,14 @@ def select_blocks(group_probs, p: NSAParams) -> torch.Tensor:
     t = torch.arange(t_len, device=group_probs.device)[:, None]
     j = torch.arange(nb, device=group_probs.device)[None, :]
     current = t // p.slc_block
-    forced = (j == 0) | (j == current) | (j == current - 1)
+    ds = _doc_start(doc_start, b, t_len)
+    first = 0 if ds is None else ds // p.slc_block  # the document's first block
+    forced = (j == first) | (j == current) | (j == current - 1)
     key = torch.where(forced, float("inf"), importance)
-    key = torch.where(j * p.slc_block <= t, key, float("-inf"))
+    candidate = j * p.slc_block <= t
+    if ds is not None:
+        candidate = candidate & ((j + 1) * p.slc_block > ds)
+    key = torch.where(candidate, key, float("-inf"))
     if nb < p.slc_top_n:  # pad so that the output always has n slots (static shape)
         key = F.pad(key, (0, p.slc_top_n - nb), value=float("-inf"))
     sorted_key, order = torch.sort(key, dim=-1, descending=True, stable=True)
@@ -92,12 +105,20 @@ def blocks_to_mask(block_idx, seq_len: int, p: NSAParams) -> torch.Tensor:
     return onehot[..., :nb]
 
 
-def selected_attention(q, k, v, block_idx, p: NSAParams):
+def _causal_in_doc(t: int, doc_start, b: int, device) -> torch.Tensor:
+    """[T, T] causal mask, or [B, 1, T, T] with keys before the query's document masked."""
+    s = torch.arange(t, device=device)
+    mask = s[None, :] <= s[:, None]
+    ds = _doc_start(doc_start, b, t)
+    return mask if ds is None else mask & (s >= ds)
+
+
+def selected_attention(q, k, v, block_idx, p: NSAParams, doc_start=None):
     b, t, hq, _ = q.shape
     n_rep = hq // k.shape[2]
     s = torch.arange(t, device=q.device)
     chosen = blocks_to_mask(block_idx, t, p)  # [B, HKV, T, Nb]
-    mask = chosen[..., s // p.slc_block] & (s[None, :] <= s[:, None])  # [B, HKV, T, T]
+    mask = chosen[..., s // p.slc_block] & _causal_in_doc(t, doc_start, b, q.device)  # [B, HKV, T, T]
     mask = mask.repeat_interleave(n_rep, dim=1) if n_rep > 1 else mask
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), _heads_first(k, n_rep), _heads_first(v, n_rep), attn_mask=mask
@@ -105,23 +126,23 @@ def selected_attention(q, k, v, block_idx, p: NSAParams):
     return out.transpose(1, 2)
 
 
-def window_attention(q, k, v, window: int):
-    t, hq = q.shape[1], q.shape[2]
+def window_attention(q, k, v, window: int, doc_start=None):
+    b, t, hq = q.shape[:3]
     n_rep = hq // k.shape[2]
     s = torch.arange(t, device=q.device)
-    mask = (s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window)  # [T, T], broadcast
+    mask = _causal_in_doc(t, doc_start, b, q.device) & (s[None, :] > s[:, None] - window)  # broadcast over heads
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), _heads_first(k, n_rep), _heads_first(v, n_rep), attn_mask=mask
     )
     return out.transpose(1, 2)
 
 
-def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams):
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams, doc_start=None):
     """Same contract as reference.nsa_attention, but returns block indices [B, HKV, T, n] (-1 unused)."""
-    o_cmp, group_probs = compressed_attention(q, k_cmp, v_cmp, p)
-    block_idx = select_blocks(group_probs, p)
-    o_slc = selected_attention(q, k_slc, v_slc, block_idx, p)
-    o_win = window_attention(q, k_win, v_win, p.window)
+    o_cmp, group_probs = compressed_attention(q, k_cmp, v_cmp, p, doc_start)
+    block_idx = select_blocks(group_probs, p, doc_start)
+    o_slc = selected_attention(q, k_slc, v_slc, block_idx, p, doc_start)
+    o_win = window_attention(q, k_win, v_win, p.window, doc_start)
     g = gates.unsqueeze(-1).to(o_cmp.dtype)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc.to(o_cmp.dtype) + g[..., 2, :] * o_win.to(o_cmp.dtype)
     return out, block_idx
