@@ -195,6 +195,11 @@ def test_probe_runs_rank0_of_a_fake_world_and_the_planner_cli_writes_its_files(t
     assert set(result["recommendations"]) == {"1", "2"}
     md = (tmp_path / "ac_plan_cpu.md").read_text()
     assert "1 GPU: bs=" in md and "| GPUs | local batch | GA | AC ratio |" in md
+    # The 2-GPU rows are fake: labelled in the JSON and the grid, their time = compute + estimated communication.
+    two = [r for r in result["rows"] if r["gpus"] == 2 and r["status"] == "fits"]
+    assert two and all(r["fake_process_group"] and r["comm_model"] == "fsdp2_overlap" for r in two)
+    assert all(r["step_time_s"] == pytest.approx(r["compute_step_s"] + r["comm_exposed_s"]) for r in two)
+    assert "| GPUs=2 | AC=" in md and "†" in md.split("## Every cell")[0]
     assert json.loads((tmp_path / "ac_plan_cpu.json").read_text())["rows"]
     assert_png_or_note(tmp_path / "ac_plan_cpu.png", md)
 
