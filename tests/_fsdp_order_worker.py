@@ -4,7 +4,8 @@ Records, in one training step (the second: the first initialises FSDP lazily), w
 and reduce-scatter and when each block's forward runs (a block's forward during backward is its recompute). It
 instruments torch's private FSDP2 classes (``_fsdp_param_group``), so it is a test of torch's and our wiring on
 the installed version, not library code. ``record_order`` returns ``{case: {"events": [...], "all_gathers": n, ...}}``;
-it runs at the end of _dist_worker's "ac" scenario (one spawn for both), or alone: ``python tests/_fsdp_order_worker.py``.
+it runs at the end of _dist_worker's "ac" scenario (one spawn for both), or alone:
+``python tests/_fsdp_order_worker.py``.
 """
 
 from __future__ import annotations

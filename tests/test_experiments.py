@@ -288,7 +288,8 @@ def test_analyze_trace_reports_what_the_fsdp2_ac_hypotheses_need(tmp_path):
         return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X", "tid": tid}
 
     events = [x("ProfilerStep#1", 0, 1000, "user_annotation"),
-              x("ncclDevKernel_AllGather_RING_LL", 100, 200, "kernel"), x("ncclDevKernel_ReduceScatter_Sum", 600, 100, "kernel"),
+              x("ncclDevKernel_AllGather_RING_LL", 100, 200, "kernel"),
+              x("ncclDevKernel_ReduceScatter_Sum", 600, 100, "kernel"),
               x("gemm", 0, 100, "kernel"), x("gemm", 150, 200, "kernel"), x("attn", 400, 100, "kernel"),
               x("aten::mm", 0, 400, "cpu_op"), x("FSDP::pre_backward (layers.0)", 20, 30, "cpu_op"),
               x("FSDP::backward_prefetch for layers.0", 60, 5, "cpu_op"), x("aten::add", 500, 100, "cpu_op", tid=2),

@@ -99,7 +99,7 @@ def constant_comm(row, compute_s):
             "step_time_s": compute_s + 1.0, "bandwidth_source": "test"}
 
 
-def test_fake_rows_get_the_estimate_and_real_rows_its_error():
+def test_fake_rows_get_the_estimate_and_real_rows_its_error(tmp_path):
     def measure(p: Point):  # a 2-GPU machine: 4 and 16 GPUs run as fake process groups
         return {"peak_reserved_gib": 1.0, "peak_alloc_gib": 1.0, "tokens_per_s_per_gpu": 1000.0, "seq_len": 100,
                 "oom": False, "fake_process_group": p.gpus > 2, "mfu": 0.4}
@@ -116,6 +116,10 @@ def test_fake_rows_get_the_estimate_and_real_rows_its_error():
     # the real 2-GPU row (GA 8: 0.8 s measured) keeps its measurement; the estimate 0.5 + 1 s is 87.5 % above it
     assert by[2]["step_time_s"] == pytest.approx(0.8) and by[2]["estimated_step_time_s"] == pytest.approx(1.5)
     assert by[2]["estimate_error"] == pytest.approx(1.5 / 0.8 - 1) and "estimate_error" not in by[1]
+    meta = {"effective_batch": 16, "metric": "reserved", "ratios": [0, 1], "train_args": [], "seq_len": 100}
+    md = write_plan_report(tmp_path, "e", rows, meta) and (tmp_path / "ac_plan_e.md").read_text()
+    assert "- 2 GPUs: bs=1 AC=0 GA=8: measured 0.800 s/step, estimate 1.500 s (+87.5%): MISSED" in md
+    assert "| estimate s | estimate error |" in md and "| 1.50 | +87.5% |" in md
 
 
 STUDY_ROWS = [

@@ -268,7 +268,8 @@ def add_comm_estimates(rows: list[dict[str, Any]], estimate: Callable[[dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--gpus", default="1,2,4,8,16",
+                    help="GPU counts (the study's); those beyond the machine's run as fake process groups")
     ap.add_argument("--effective-batch", type=int, required=True, help="sequences per optimizer step, all GPUs")
     ap.add_argument("--local-batches", default="1,2,4,8")
     ap.add_argument("--ratios", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1")

@@ -101,7 +101,8 @@ def estimate_check_lines(rows: list[dict[str, Any]], tolerance: float = 0.15) ->
                f"target within {tolerance:.0%}):", ""]
     for r in checked:
         ok = abs(r["estimate_error"]) <= tolerance
-        out.append(f"- {describe(r)}: measured {r['step_time_s']:.3f} s/step, estimate {r['estimated_step_time_s']:.3f} "
+        out.append(f"- {describe(r)}: measured {r['step_time_s']:.3f} s/step, "
+                   f"estimate {r['estimated_step_time_s']:.3f} "
                    f"s ({r['estimate_error']:+.1%}): {'MET' if ok else 'MISSED'}")
     return out
 
