@@ -172,3 +172,14 @@ def test_memory_cap_mirrors_a_smaller_gpu_and_refuses_what_it_cannot(tmp_path):
         ac_planner.main(["--config", "train_configs/debug_model.toml", "--effective-batch", "4", "--memory-cap-gib",
                          "79.1", "--out", str(tmp_path)])
     assert get_model_args("qwen7b").n_rep == 7  # the study's flavor is registered for --model.flavor
+
+
+def test_the_estimate_check_probe_has_its_own_cache_entry(tmp_path):
+    """A rebuilt report (same command on a machine without the GPUs: every probe from the cache) must still tell a
+    real 2-GPU measurement from the fake-process-group probe of the same cell that --check-estimate added."""
+    runner = ac_planner.ProbeRunner(tmp_path, ["--config", "x.toml"], warmup=1, steps=1, timeout_s=1,
+                                    time_limit_s=0, in_process=True)  # no time left: only cache hits answer
+    real, fake = {"fake_process_group": False, "step_time_s": 1.0}, {"fake_process_group": True, "step_time_s": 0.9}
+    runner.cache.update({f"{runner.fingerprint}/g2-b1-ga2-r0.5": real, f"{runner.fingerprint}/g2-b1-ga2-r0.5-fake": fake})
+    assert runner(Point(2, 1, 8, 0.5)) is real and runner(Point(2, 1, 8, 0.5), force_fake=True) is fake
+    assert runner(Point(4, 1, 8, 0.5)) is None  # not cached, and the time limit allows no probe

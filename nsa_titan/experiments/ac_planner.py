@@ -178,12 +178,17 @@ class ProbeRunner:
         """Probe ``p``; ``force_fake``: on one GPU with a fake process group even where the machine has p.gpus
         (the compute-only time that the communication estimate starts from, to check it against a real row)."""
         fake = p.gpus > 1 and (force_fake or p.gpus > self.gpus)
-        suffix = "-fake" if fake and p.gpus <= self.gpus else ""  # keeps a real row's cache entry apart
+        # Its own cache entry, apart from the real row's, also when the report is rebuilt from the cache on a
+        # machine with fewer GPUs (where every multi-GPU key looks fake; the results say what they are).
+        suffix = "-fake" if force_fake and p.gpus > 1 else ""
         key = f"{self.fingerprint}/g{p.gpus}-b{p.local_batch}-ga{p.probe_ga}-r{p.ratio:g}{suffix}"
         if key in self.cache:
             return self.cache[key]
         if self.deadline is not None and time.monotonic() > self.deadline:
             return None
+        if self.memory_cap_gib is not None and self.gpus == 0:  # checked here: a cached plan rebuilds anywhere
+            raise SystemExit("--memory-cap-gib caps the CUDA allocator of each probe, but no GPU is visible: run "
+                             "on a GPU, or drop it (--memory-budget-gib compares CPU peaks with a budget)")
         args = [*self.train_args, "--training.local_batch_size", str(p.local_batch), "--training.grad_accum_steps",
                 str(p.probe_ga), "--activation_checkpoint.mode", "ratio", "--activation_checkpoint.ratio", str(p.ratio)]
         self.log(f"probe {key.split('/')[1]}" + (f" (fake process group of {p.gpus})" if fake else ""))
@@ -301,9 +306,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = [x for x in extra if x != "--"]
     train_args = ["--config", a.config, *extra]
     out = Path(a.out)
-    if a.memory_cap_gib is not None and visible_gpus() == 0:
-        raise SystemExit("--memory-cap-gib caps the CUDA allocator of each probe, but no GPU is visible: drop it, or "
-                         "pass --memory-budget-gib to compare CPU peaks with a budget")
     runner = ProbeRunner(out / f"ac_plan_{a.tag}", train_args, warmup=a.warmup, steps=a.steps,
                          timeout_s=a.probe_timeout_s, time_limit_s=a.time_limit_s, in_process=a.in_process,
                          force=a.force, memory_cap_gib=a.memory_cap_gib)
