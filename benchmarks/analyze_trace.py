@@ -5,7 +5,10 @@
 Prints (and with --json writes) the traced window's wall time, the share of it in which some GPU kernel
 runs (union of kernel intervals: idle gaps inside a step count against it, unlike CUDA-event timing), the
 time in communication kernels (NCCL) and how much of it overlaps compute, kernel launch counts, and the top
-kernels by total time.
+kernels by total time. ``fsdp_and_host`` adds, per traced step, what the FSDP2 + activation-checkpointing
+hypotheses of docs/experiments.md need: collectives by kind (count, ms), host syncs and stream waits, the
+host time of FSDP2's hooks (its ``FSDP::`` ranges), the busiest host threads, allocator calls, and how much
+slower compute kernels run while an NCCL kernel runs beside them.
 """
 
 from __future__ import annotations
@@ -53,6 +56,68 @@ def summarise(path: str, top: int = 15) -> dict:
         "compute_busy_ms": comp_busy / 1e3, "comm_busy_ms": comm_busy / 1e3,
         "comm_exposed_ms": (busy - comp_busy) / 1e3, "kernels": len(kernels), "launches": launches,
         "top": sorted(([n, c, d / 1e3] for n, (c, d) in by_name.items()), key=lambda r: -r[2])[:top],
+        **fsdp_and_host(events, kernels, lo, hi, max(len(steps), 1)),
+    }
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+HOST_CATS = ("cpu_op", "user_annotation", "python_function")
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for k in ("allgather", "reducescatter", "allreduce"):
+        if k in low.replace("_", ""):
+            return k
+    return "other"
+
+
+def fsdp_and_host(events: list[dict], kernels: list[dict], lo: float, hi: float, steps: int) -> dict:
+    """Per-step numbers for the FSDP2 + AC hypotheses (module docstring); times in ms per traced step."""
+    inside = [e for e in events if e.get("ph") == "X" and lo <= e["ts"] < hi]
+    comm = [e for e in kernels if "nccl" in e["name"].lower()]
+    coll: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in comm:
+        coll[_kind(e["name"])][0] += 1 / steps
+        coll[_kind(e["name"])][1] += e["dur"] / 1e3 / steps
+    runtime = [e for e in inside if e.get("cat") == "cuda_runtime"]
+    syncs = [e for e in runtime if e["name"] in SYNCS and e["name"] != "cudaMemcpyAsync"]
+    fsdp: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in inside:
+        if e.get("cat") in HOST_CATS and e["name"].startswith("FSDP::"):
+            key = e["name"].split(" (")[0].split(" for ")[0]  # drop the unit's name: one row per hook kind
+            fsdp[key][0] += 1 / steps
+            fsdp[key][1] += e["dur"] / 1e3 / steps
+    threads: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in inside:
+        if e.get("cat") in HOST_CATS and not e["name"].startswith("ProfilerStep#"):  # the step spans all of it
+            threads[e.get("tid", 0)].append((e["ts"], min(e["ts"] + e["dur"], hi)))
+    host = sorted(((tid, union_length(iv) / 1e3 / steps) for tid, iv in threads.items()), key=lambda t: -t[1])
+    # Compute kernels that ran while an NCCL kernel ran beside them (any overlap) vs alone, by kernel name.
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in comm)
+    alone: dict[str, list[float]] = defaultdict(list)
+    shared: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        if "nccl" in e["name"].lower():
+            continue
+        s, t = e["ts"], e["ts"] + e["dur"]
+        (shared if any(a < t and s < b for a, b in spans) else alone)[e["name"][:90]].append(e["dur"])
+    both = [n for n in shared if n in alone]
+    slow = sum(sum(shared[n]) for n in both) / sum(len(shared[n]) * sum(alone[n]) / len(alone[n]) for n in both) \
+        if both else None
+    return {
+        "per_step": {
+            "collectives": {k: {"count": c, "ms": ms} for k, (c, ms) in sorted(coll.items())},
+            "host_syncs": {"count": len(syncs) / steps, "ms": sum(e["dur"] for e in syncs) / 1e3 / steps,
+                           "kinds": sorted({e["name"] for e in syncs})},
+            "stream_waits": sum(e["name"] == "cudaStreamWaitEvent" for e in runtime) / steps,
+            "allocator_calls": sum(e["name"] in ("cudaMalloc", "cudaFree") for e in runtime) / steps,
+            "fsdp_host": {k: {"count": c, "ms": ms} for k, (c, ms) in sorted(fsdp.items())},
+            "host_busy_ms_by_thread": [[tid, ms] for tid, ms in host[:3]],
+        },
+        # Duration of compute kernels that overlapped an NCCL kernel / their duration alone (same names): > 1
+        # means communication slows compute down (SMs or memory bandwidth shared), which overlap models ignore.
+        "compute_slowdown_beside_nccl": slow,
     }
 
 
@@ -69,6 +134,8 @@ def main() -> None:
               f"(exposed {s['comm_exposed_ms']:.1f} ms), {s['kernels']} kernels, {s['launches']} launches")
         for name, count, ms in s["top"]:
             print(f"  {ms:9.2f} ms {count:6d}x  {name}")
+        print("  per step: " + json.dumps(s["per_step"]) + f"; compute slowdown beside NCCL: "
+              f"{s['compute_slowdown_beside_nccl']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

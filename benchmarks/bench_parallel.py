@@ -113,7 +113,8 @@ def comm_worker(cpu: bool) -> None:
     if not cpu:
         torch.cuda.set_device(dev)
     results = []
-    for mib in ((0.004, 1, 16) if cpu else (0.004, 8, 64, 256)):
+    # Up to 1 GiB: an FSDP unit of a 7B-class model all-gathers ~0.5 GB (bf16) and reduce-scatters ~1 GB (fp32).
+    for mib in ((0.004, 1, 16) if cpu else (0.004, 8, 64, 256, 1024)):
         n = max(1, int(mib * 2**20 / 2)) // world * world  # bf16 elements, divisible by the world size
         full, shard = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.ones(n // world, dtype=torch.bfloat16, device=dev)
         ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
@@ -183,6 +184,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--log", default=None, help="file for the runs' output (default: OUT/parallel_TAG.log)")
     ap.add_argument("--comm", action="store_true", help="first measure the collectives' bandwidth")
+    ap.add_argument("--comm-only", action="store_true",
+                    help="measure the collectives only (no training runs): the planner's --collectives input")
     ap.add_argument("--comm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--topology", default=None, help="a file with `nvidia-smi topo -m` output, quoted in the results")
     ap.add_argument("extra", nargs="*", help="overrides for every run, e.g. -- --compile.enable")
@@ -190,6 +193,8 @@ def main() -> None:
     if a.comm_worker:
         comm_worker(a.cpu)
         return
+    if a.comm_only:
+        a.comm, a.flavors = True, ""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(a.cpu), []
@@ -199,7 +204,8 @@ def main() -> None:
         if a.comm:
             env["collectives"] = comm_test(a, log)
             print("collectives:", json.dumps(env["collectives"]), flush=True)
-        for flavor in a.flavors.split(","):
+            write_results(out, a, env, rows)  # --comm-only ends here
+        for flavor in filter(None, a.flavors.split(",")):
             for run in a.runs.split(","):
                 if run == "1gpu":
                     rows.append(run_one("1gpu", 1, None, flavor, a, a.extra, log))
@@ -216,7 +222,7 @@ def main() -> None:
 def write_results(out: Path, a, env: dict, rows: list[dict]) -> None:
     targets = check_targets(rows, a.ngpu)
     result = {"benchmark": "parallel", "tag": a.tag, "seq_len": a.seq, "steps": a.steps, "timed_after_step": a.warmup,
-              "local_batch": {f: FLAVOR_BATCH.get(f, 1) for f in a.flavors.split(",")}, "extra": a.extra,
+              "local_batch": {f: FLAVOR_BATCH.get(f, 1) for f in filter(None, a.flavors.split(","))}, "extra": a.extra,
               **env, "rows": rows, "targets": targets}
     (out / f"parallel_{a.tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Data-parallel throughput: {a.tag}", "",

@@ -240,6 +240,10 @@ def _worker(rank: int, port: int, scenario: str, only: list[str] | None, out_pat
         if scenario == "parity":
             for dp in ("fsdp2", "fsdp1", "ddp"):
                 results[f"{dp}_init"] = init_matches_single_process(dp)
+        if scenario == "ac" and not only:  # last: it instruments FSDP2 for the rest of this process
+            from _fsdp_order_worker import record_order
+
+            results["fsdp2_ac_order"] = record_order()
         if rank == 0:
             Path(out_path).write_text(json.dumps(results, indent=1))
     finally:

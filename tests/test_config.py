@@ -21,6 +21,8 @@ SHIPPED = {
                       "training.steps": 1000, "optimizer.lr": 6e-4},
     "nsa_1b.toml": {"model.flavor": "1b", "training.seq_len": 8192, "training.local_batch_size": 1,
                     "training.steps": 1000, "optimizer.lr": 3e-4},
+    "nsa_qwen7b.toml": {"model.flavor": "qwen7b", "training.seq_len": 8192, "training.local_batch_size": 1,
+                        "training.steps": 1000, "optimizer.lr": 3e-4},
 }
 
 

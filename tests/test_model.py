@@ -132,8 +132,23 @@ def test_param_count_and_flops():
     assert 0.7e9 < count_params(get_model_args("1b"), True) < 1.3e9
 
 
+def test_qwen7b_flavor_has_the_study_shape_and_parameter_count():
+    """The Qwen2.5-7B-shaped flavor built on the meta device (no memory): its parameters counted by hand from the
+    shape, so a changed dimension, head count or NSA size shows up here."""
+    args = get_model_args("qwen7b")
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim, args.ffn_hidden_dim) == \
+        (3584, 28, 28, 4, 128, 18944) and args.n_rep == 7
+    with torch.device("meta"):
+        model = build_model(args)
+    d, hd, l = 3584, 128, 32  # width, head dim, compression block
+    attn = d * 28 * hd + d * 3 * 4 * (hd + hd) + 2 * (l * hd + l * hd * hd + hd * hd) + d * 28 * 3 + 28 * hd * d
+    block = attn + 3 * d * 18944 + 2 * d  # wq, wkv (3 branches), phi_k/phi_v, gates, wo; SwiGLU; two norms
+    assert block == 241_783_808
+    assert sum(p.numel() for p in model.parameters()) == 28 * block + 2 * 152064 * d + d == 7_859_944_960
+
+
 def test_flavors_and_validation_errors():
-    assert {"debug", "m7c", "1b"} <= set(MODEL_FLAVORS)
+    assert {"debug", "m7c", "1b", "qwen7b"} <= set(MODEL_FLAVORS)
     for name in MODEL_FLAVORS:
         get_model_args(name).validate()
     with pytest.raises(ValueError, match="valid flavors"):

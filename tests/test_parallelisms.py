@@ -47,11 +47,43 @@ def test_fsdp2_fsdp1_ddp_match_single_process():
     _check(results, cases)
 
 
-def test_every_ac_mode_matches_no_ac_under_ddp_and_fsdp2():
+@pytest.fixture(scope="module")
+def ac_results() -> dict:
+    """One spawn of the "ac" scenario serves two tests (spawning 2 ranks costs ~20 s on a busy 2-core box)."""
+    return launch("ac")
+
+
+def test_every_ac_mode_matches_no_ac_under_ddp_and_fsdp2(ac_results):
     """4 blocks with different weights: recomputing the wrong block, or a block's gradient reduced twice
     ("marked ready twice"), changes or breaks the gradients. memory_budget is in the compile test."""
-    _check(launch("ac"), [f"{dp}_{m}" for dp in ("ddp", "fsdp2") for m in ("none", "full", "selective_op", "ratio")]
+    results = {k: v for k, v in ac_results.items() if k != "fsdp2_ac_order"}
+    _check(results, [f"{dp}_{m}" for dp in ("ddp", "fsdp2") for m in ("none", "full", "selective_op", "ratio")]
            + ["ddp_full_ga2"])
+
+
+def test_fsdp2_recompute_issues_no_all_gather_and_runs_behind_the_next_prefetch(ac_results):
+    """FSDP2 + AC, 4 blocks (tests/_fsdp_order_worker.py records one step): the recompute re-issues no collective
+    (11 all-gathers: embedding, 4 blocks, head in forward; 4 blocks and the embedding again in backward; 6
+    reduce-scatters, whatever the AC mode); only checkpointed blocks recompute; and when block i recomputes, the
+    all-gather of block i-1 (i-1 and i-2 with fsdp_prefetch 2) is already issued, so it overlaps the recompute.
+    The CPU evidence for docs/experiments.md's FSDP2 + AC hypotheses 1 and 2."""
+    order = ac_results["fsdp2_ac_order"]
+    recomputed = {"none": [], "full": [3, 2, 1, 0], "ratio": [2, 0], "full_prefetch2": [3, 2, 1, 0]}
+    for case, rec in order.items():
+        assert (rec["all_gathers"], rec["reduce_scatters"]) == (11, 6), case
+        events = [tuple(e) for e in rec["events"]]
+        backward = events[events.index(("backward", "")):]
+        assert [int(u.split(".")[1]) for kind, u in backward if kind == "backward_fwd"] == recomputed[case], case
+        depth = 2 if case == "full_prefetch2" else 1  # fsdp_prefetch N: N blocks ahead; the embedding after block 0
+        for i in recomputed[case]:
+            at = backward.index(("backward_fwd", f"layers.{i}"))
+            ahead = [f"layers.{j}" for j in range(max(0, i - depth), i)] or ["tok_embeddings"]
+            for unit in ahead:
+                assert ("ag", unit) in backward[:at], (case, f"block {i} recomputes before {unit} is gathered")
+    # The recompute runs the checkpointed block's own forward: its all-gather comes from pre_backward, never from
+    # inside the recompute (no all-gather directly follows a recompute).
+    full = [tuple(e) for e in order["full"]["events"]]
+    assert all(full[k + 1][0] != "ag" for k, e in enumerate(full[:-1]) if e[0] == "backward_fwd")
 
 
 def test_compile_with_fsdp2_and_memory_budget_trains():

@@ -46,7 +46,7 @@ class Model:
     """Which model: a named flavor plus optional overrides of its NSAModelArgs fields."""
 
     flavor: str = "debug"
-    """Named NSAModelArgs preset from nsa_titan.models.MODEL_FLAVORS (debug, m7c, m7c_gpt2, 1b)."""
+    """Named NSAModelArgs preset from nsa_titan.models.MODEL_FLAVORS (debug, m7c, m7c_gpt2, 1b, qwen7b)."""
     attn_impl: Literal["auto", "torch", "triton", "reference"] | None = None
     """Attention implementation: 'auto' (Triton kernels on CUDA when available, else 'torch'), 'torch'
     (vectorised portable path), 'triton' (the kernels) or 'reference' (dense spec, slow). None: flavor's."""

@@ -178,7 +178,7 @@ def save_plot(path: Path, draw: Callable[[Any], None]) -> str | None:
         matplotlib.use("Agg")  # files only, no display
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        return f"{path.name} not written: matplotlib is not installed (pip install matplotlib), the tables have every number"
+        return f"{path.name} not written: matplotlib is not installed (pip install matplotlib, or the `plot` extra), the tables have every number"
     plt.close("all")
     draw(plt)
     plt.tight_layout()

@@ -12,7 +12,10 @@ optimizer state N ways exactly as on N GPUs: that measures the per-rank memory o
 (minus NCCL's own buffers). Its step time is compute only (no communication) and is reported as such.
 
 Memory: CUDA peak allocated / active / reserved since the first step. On CPU only the process's peak RSS exists
-(not per configuration); the planner's CPU tests inject their own memory function instead.
+(not per configuration); the planner's CPU tests inject their own memory function instead. ``--memory-cap-gib C``
+caps the caching allocator at C GiB (``torch.cuda.set_per_process_memory_fraction``): allocations beyond it fail
+as they would on a GPU of C GiB, so an H200 measures what fits an 80 GB H100 (the CUDA context and NCCL's own
+buffers sit outside the allocator on both).
 """
 
 from __future__ import annotations
@@ -50,12 +53,31 @@ def init_fake_process_group(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
+def memory_cap_fraction(cap_gib: float, total_gib: float) -> float:
+    """The fraction of a ``total_gib`` GPU that leaves its allocator ``cap_gib``; the cap must fit the GPU."""
+    if not 0 < cap_gib <= total_gib:
+        raise ValueError(f"--memory-cap-gib {cap_gib:g} must be in (0, {total_gib:.2f}], this GPU's memory: the cap "
+                         "mirrors a smaller GPU on a bigger one; lower it, or run on a GPU with at least that much")
+    return cap_gib / total_gib
+
+
+def apply_memory_cap(cap_gib: float | None, device: torch.device) -> None:
+    if cap_gib is None:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--memory-cap-gib caps the CUDA allocator, but this probe runs on {device.type}: drop the "
+                         "cap or run on a GPU")
+    total = torch.cuda.get_device_properties(device).total_memory / GIB
+    torch.cuda.set_per_process_memory_fraction(memory_cap_fraction(cap_gib, total), device)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync ok: timing boundary of a measurement, not the trainer
 
 
-def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: int = 2, steps: int = 3) -> dict[str, Any]:
+def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: int = 2, steps: int = 3,
+              memory_cap_gib: float | None = None) -> dict[str, Any]:
     """Measure ``warmup + steps`` optimizer steps of the configuration that ``argv`` (trainer flags) describes."""
     cfg = load_job_config(argv)
     tc = cfg.training
@@ -67,6 +89,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
     device = resolve_device(tc.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    apply_memory_cap(memory_cap_gib, device)  # before anything is allocated
     if fake:
         init_fake_process_group(world_size)
     seed_everything(tc.seed)
@@ -75,7 +98,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
     args.validate(tc.seq_len)
     result: dict[str, Any] = {"world_size": world_size, "fake_process_group": fake, "local_batch": tc.local_batch_size,
                               "grad_accum": tc.grad_accum_steps, "seq_len": tc.seq_len, "device": device_name(device),
-                              "oom": False, **software_versions()}
+                              "memory_cap_gib": memory_cap_gib, "oom": False, **software_versions()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         result["device_total_gib"] = torch.cuda.get_device_properties(device).total_memory / GIB
@@ -123,8 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fake-world-size", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens in the first)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--memory-cap-gib", type=float, default=None,
+                    help="cap the CUDA caching allocator at this many GiB (plan for a smaller GPU)")
     a, train_args = ap.parse_known_args(argv)
-    result = run_probe(train_args, fake_world_size=a.fake_world_size, warmup=a.warmup, steps=a.steps)
+    result = run_probe(train_args, fake_world_size=a.fake_world_size, warmup=a.warmup, steps=a.steps,
+                       memory_cap_gib=a.memory_cap_gib)
     if world_from_env().rank == 0:
         Path(a.result).parent.mkdir(parents=True, exist_ok=True)
         Path(a.result).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -116,11 +116,20 @@ def _flavors() -> dict[str, NSAModelArgs]:
         vocab_size=32000, max_seq_len=8192, cmp_block=32, cmp_stride=16, slc_block=64,
         slc_top_n=16, window=512,
     )
+    # The study's shape (Qwen2.5-7B: dim 3584, 28 layers, 28 query / 4 KV heads = G 7, head_dim 128, SwiGLU
+    # 18944, vocabulary 152064, RoPE base 1e6, 32k context) with the paper's NSA sizes: 7.86B parameters, more
+    # than Qwen's 7.62B because each of the three branches has its own K/V projection (plus phi and gates).
+    qwen7b = NSAModelArgs(
+        dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128, ffn_hidden_dim=18944,
+        vocab_size=152064, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, cmp_block=32, cmp_stride=16,
+        slc_block=64, slc_top_n=16, window=512,
+    )
     return {
         "debug": debug,
         "m7c": m7c,
         "m7c_gpt2": dataclasses.replace(m7c, vocab_size=50304),  # GPT-2 vocab padded to 64
         "1b": one_b,
+        "qwen7b": qwen7b,
     }
 
 
