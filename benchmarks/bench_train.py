@@ -42,10 +42,10 @@ def check_syncs(config: str, impl: str, extra: list[str]) -> str:
     import torch
 
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
 
     cfg = load_job_config(["--config", config, "--model.attn_impl", impl, *extra])
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    args = cfg.model_args()
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device="cuda")
@@ -75,10 +75,10 @@ def kernel_busy(config: str, variant: str, extra: list[str], steps: int = 6) -> 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
 
     cfg = load_job_config(["--config", config, *VARIANTS[variant], *extra])
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    args = cfg.model_args()
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device="cuda")

@@ -41,7 +41,7 @@ from nsa_titan.components.runtime import (
 from nsa_titan.components.train_step import evaluate, move_batch
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
-from nsa_titan.models import NSAModelArgs, build_model, get_model_args
+from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.parallelisms import (
     CompileCounter,
@@ -59,9 +59,8 @@ def _print0(world: World, *args: Any) -> None:
 
 
 def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs:
-    """The flavor's args with the non-None ``[model]`` overrides applied, checked against seq_len and tokenizer."""
-    args = get_model_args(job_config.model.flavor, **job_config.model.overrides())
-    args.validate(job_config.training.seq_len)
+    """The config's model (``JobConfig.model_args``), also checked against the tokenizer's vocabulary."""
+    args = job_config.model_args()
     if vocab_needed > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the tokenizer ({job_config.data.tokenizer!r}) has {vocab_needed} tokens but the "
@@ -75,7 +74,7 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     """The model to train (fp32 master weights): built on meta, then ``parallelize_nsa`` applies activation
     checkpointing -> per-block compile -> data parallelism and materialises it (under FSDP2 each rank
     allocates only its shard). The rest of the loop only needs ``model(tokens) -> logits`` and
-    ``model.parameters()``.
+    ``model.parameters()``. ``model_args.attn_impl`` should be resolved for ``device`` (``resolve_attn_impl``).
     """
     if parallel_dims is None:
         parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
@@ -164,7 +163,11 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         raise
     except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
         raise ConfigError(str(e)) from None
-    model = build_training_model(job_config, model_args, device, world, parallel_dims)
+    # 'auto' becomes the implementation that runs on this device: the model holds it and the log names it. The
+    # configured value stays in model_args (checkpoints record it: a resume on another device may differ).
+    attn_impl = resolve_attn_impl(model_args.attn_impl, device)
+    model = build_training_model(job_config, dataclasses.replace(model_args, attn_impl=attn_impl), device, world,
+                                 parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
     diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
@@ -174,8 +177,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         "params": count_params(model_args, include_embedding=False),
         "params_with_embedding": count_params(model_args, include_embedding=True),
         "training_flops_per_token": flops_per_token,
+        "attn_impl": attn_impl,
     }
-    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={model_args.attn_impl}): "
+    impl_text = attn_impl + (f" ({model_args.attn_impl})" if attn_impl != model_args.attn_impl else "")
+    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={impl_text}): "
                    f"{model_info['params'] / 1e6:.2f}M params excl. embedding "
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "

@@ -277,7 +277,7 @@ def test_state_dict_names_do_not_depend_on_wrappers():
     from nsa_titan.checkpoint.state import dcp_state_dict, rng_state
     from nsa_titan.components.optimizer import build_optimizer
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
     from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
     keys = []
@@ -286,7 +286,7 @@ def test_state_dict_names_do_not_depend_on_wrappers():
         cfg = load_job_config(["--training.device", "cpu", "--model.n_layers", "2", "--model.attn_impl", "torch",
                                *extra])
         with torch.device("meta"):
-            model = build_model(get_model_args("debug", **cfg.model.overrides()))
+            model = build_model(cfg.model_args())
         model = parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optimizer, "cpu", require_fused=True)
         host = {"train_state": {}, "lr_scheduler": {}, "loader": {}, "rng": rng_state(torch.device("cpu"))}

@@ -220,6 +220,19 @@ def test_range_checks_name_the_field(argv, field):
     assert field in msg and ("must" in msg or "required" in msg or "needs" in msg), msg
 
 
+def test_model_section_is_generated_from_nsa_model_args():
+    """Every NSAModelArgs field is a [model] key with the field's type (optional) and doc; model_args() applies them."""
+    from nsa_titan.models import MODEL_FLAVORS, NSAModelArgs
+
+    model_keys = section_fields(sections(JobConfig)["model"])
+    assert list(model_keys) == ["flavor", *(f.name for f in dataclasses.fields(NSAModelArgs))]
+    assert typing.get_args(model_keys["attn_impl"])[0] == typing.get_type_hints(NSAModelArgs)["attn_impl"]
+    assert field_docs(sections(JobConfig)["model"])["window"].startswith("w: sliding-window length")
+    args = load_job_config(["--model.flavor", "m7c", "--model.rope_theta", "5e5", "--model.n_layers", "2"]).model_args()
+    assert (args.rope_theta, args.n_layers, args.dim) == (5e5, 2, MODEL_FLAVORS["m7c"].dim)
+    assert "model.norm_eps: must be > 0" in _error(["--model.norm_eps", "0"])
+
+
 def test_model_consistency_checked_against_seq_len():
     msg = _error(["--training.seq_len", "4096"])  # debug flavor covers 1024 positions
     assert "max_seq_len" in msg

@@ -38,7 +38,7 @@ from nsa_titan.components.runtime import (
     world_from_env,
 )
 from nsa_titan.config import load_job_config
-from nsa_titan.models import build_model, get_model_args
+from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
 from nsa_titan.parallelisms import ParallelDims, full_param_shapes, parallelize_nsa, train_step
 
@@ -71,8 +71,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
         init_fake_process_group(world_size)
     seed_everything(tc.seed)
     dims = ParallelDims.from_config(world_size, cfg.parallelism)
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
-    args.validate(tc.seq_len)
+    args = cfg.model_args()
     result: dict[str, Any] = {"world_size": world_size, "fake_process_group": fake, "local_batch": tc.local_batch_size,
                               "grad_accum": tc.grad_accum_steps, "seq_len": tc.seq_len, "device": device_name(device),
                               "oom": False, **software_versions()}
