@@ -7,15 +7,13 @@ FSDP1, DDP), the device mesh, and the data-parallel optimizer step.
     model = parallelize_nsa(model, dims, job_config, device)   # sharded, initialised, ready to train
 """
 
-from nsa_titan.parallelisms.activation_checkpoint import AC_MODES, apply_ac, ratio_block_ids, selective_save_ops
+from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids, selective_save_ops
 from nsa_titan.parallelisms.compile import CompileCounter, apply_compile
-from nsa_titan.parallelisms.parallel_dims import DATA_PARALLEL_KINDS, ParallelDims
+from nsa_titan.parallelisms.parallel_dims import ParallelDims
 from nsa_titan.parallelisms.parallelize import describe_parallelism, materialize, parallelize_nsa
 from nsa_titan.parallelisms.train_step import clip_grad_norm, forward_backward, full_param_shapes, train_step
 
 __all__ = [
-    "AC_MODES",
-    "DATA_PARALLEL_KINDS",
     "CompileCounter",
     "ParallelDims",
     "apply_ac",

@@ -20,8 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nsa_titan.config import ConfigError
 
-DATA_PARALLEL_KINDS = ("fsdp2", "fsdp1", "ddp")
-
 
 @dataclass
 class ParallelDims:
@@ -37,16 +35,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, world_size: int, parallelism: Any, *, collective_timeout_s: float | None = None) -> ParallelDims:
-        """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not."""
-        kind = parallelism.data_parallel
-        if kind not in DATA_PARALLEL_KINDS:
-            raise ConfigError(f"parallelism.data_parallel: unknown {kind!r}; choose one of {', '.join(DATA_PARALLEL_KINDS)}")
-        if world_size < 1:
-            raise ConfigError(f"world size must be >= 1, got {world_size}")
-        rep, shard = parallelism.dp_replicate, parallelism.dp_shard
-        if rep < 1 or (shard != -1 and shard < 1):
-            raise ConfigError(f"parallelism.dp_replicate={rep} / dp_shard={shard}: replicate must be >= 1 and "
-                              "shard >= 1 or -1 (the rest of the ranks)")
+        """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not.
+
+        ``parallelism`` is the validated [parallelism] section: its choices and ranges are checked there; here
+        only what needs the world size.
+        """
+        kind, rep, shard = parallelism.data_parallel, parallelism.dp_replicate, parallelism.dp_shard
         if kind == "ddp":
             # DDP replicates the whole model on every rank: there is nothing to shard.
             if shard not in (-1, 1) or rep not in (1, world_size):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nsa_titan.config import ConfigError
+from nsa_titan.models.nsa.attention import SELECTIVE_AC_SAVE_OPS
 from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids
 from nsa_titan.parallelisms.compile import apply_compile
 from nsa_titan.parallelisms.data_parallel import apply_ddp, apply_fsdp1, apply_fsdp2, resolve_param_dtype
@@ -53,16 +54,12 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
 
         device = resolve_device(job_config.training.device, world_from_env().local_rank)
     ac, pc = job_config.activation_checkpoint, job_config.parallelism
-    if ac.mode == "memory_budget" and not job_config.compile.enable:
-        raise ConfigError("activation_checkpoint.mode 'memory_budget' needs --compile.enable (compile's "
-                          "partitioner applies the budget)")
-
     if job_config.compile.cudagraphs and (device.type != "cuda" or parallel_dims.dp_enabled):
         raise ConfigError("compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU without data parallelism "
                           f"(here: device {device.type}, data parallel degree {parallel_dims.dp_degree}): data "
                           "parallel hooks run between the blocks' graphs and reallocate parameters; use "
                           "compile.mode 'default' there")
-    apply_ac(model, ac)
+    apply_ac(model, ac, save_op_names=SELECTIVE_AC_SAVE_OPS)
     if job_config.compile.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None
         apply_compile(model, job_config.compile, budget, backend=compile_backend)
