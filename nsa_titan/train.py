@@ -36,21 +36,15 @@ from nsa_titan.components.runtime import (
     resolve_device,
     seed_everything,
     software_versions,
+    start_process_group,
     world_from_env,
 )
-from nsa_titan.components.train_step import evaluate, move_batch
+from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
 from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
-from nsa_titan.parallelisms import (
-    CompileCounter,
-    ParallelDims,
-    describe_parallelism,
-    full_param_shapes,
-    parallelize_nsa,
-    train_step,
-)
+from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, parallelize_nsa
 
 
 def _print0(world: World, *args: Any) -> None:
@@ -129,8 +123,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         raise ConfigError(str(e)) from None
     world = world_from_env()
     # Degrees are checked against the world size before any process group or GPU work.
-    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism,
-                                             collective_timeout_s=job_config.fault.collective_timeout_s)
+    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
     tc, mc = job_config.training, job_config.metrics
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 
@@ -163,6 +156,9 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         raise
     except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
         raise ConfigError(str(e)) from None
+    # The process group only now: every rank got this far, so a config or data error above fails each rank
+    # alone instead of leaving the others waiting for it.
+    start_process_group(world, device, timeout_s=job_config.fault.collective_timeout_s)
     # 'auto' becomes the implementation that runs on this device: the model holds it and the log names it. The
     # configured value stays in model_args (checkpoints record it: a resume on another device may differ).
     attn_impl = resolve_attn_impl(model_args.attn_impl, device)

@@ -29,18 +29,20 @@ import torch.distributed as dist
 
 from nsa_titan.components.metrics import GIB, peak_active_gib, peak_flops_for_name, peak_memory_gib
 from nsa_titan.components.optimizer import build_optimizer
+from nsa_titan.components.train_step import full_param_shapes, train_step
 from nsa_titan.components.runtime import (
     autocast_context,
     device_name,
     resolve_device,
     seed_everything,
     software_versions,
+    start_process_group,
     world_from_env,
 )
 from nsa_titan.config import load_job_config
 from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
-from nsa_titan.parallelisms import ParallelDims, full_param_shapes, parallelize_nsa, train_step
+from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
 
 def init_fake_process_group(world_size: int) -> None:
@@ -69,6 +71,8 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
         torch.cuda.set_device(device)
     if fake:
         init_fake_process_group(world_size)
+    else:
+        start_process_group(world, device)
     seed_everything(tc.seed)
     dims = ParallelDims.from_config(world_size, cfg.parallelism)
     args = cfg.model_args()

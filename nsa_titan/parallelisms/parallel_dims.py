@@ -10,7 +10,6 @@ data-parallel rank is the global rank, and the mesh is
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,18 +22,16 @@ from nsa_titan.config import ConfigError
 
 @dataclass
 class ParallelDims:
-    """Resolved, validated degrees; ``build_mesh`` creates the process group(s) once per process."""
+    """Resolved, validated degrees; ``build_mesh`` builds the device mesh over the trainer's process group."""
 
     world_size: int
     data_parallel: str
     dp_replicate: int
     dp_shard: int
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
-    # fault.collective_timeout_s: a collective that waits longer fails (NCCL aborts) instead of hanging.
-    collective_timeout_s: float | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, world_size: int, parallelism: Any, *, collective_timeout_s: float | None = None) -> ParallelDims:
+    def from_config(cls, world_size: int, parallelism: Any) -> ParallelDims:
         """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not.
 
         ``parallelism`` is the validated [parallelism] section: its choices and ranges are checked there; here
@@ -57,8 +54,7 @@ class ParallelDims:
             raise ConfigError(f"parallelism: dp_replicate x dp_shard = {rep} x {shard} = {rep * shard} but the "
                               f"world size (torchrun --nproc_per_node x nodes) is {world_size}; make the product "
                               f"equal, e.g. --parallelism.dp_shard -1")
-        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard,
-                   collective_timeout_s=collective_timeout_s)
+        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard)
         dims._check_strategy(parallelism)
         return dims
 
@@ -105,16 +101,15 @@ class ParallelDims:
         return (self.dp_shard,), ("dp_shard",)
 
     def build_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """Init the default process group (NCCL on CUDA, gloo on CPU) and the mesh; None for one rank."""
+        """The device mesh over the default process group, which the caller started (the trainer:
+        ``components.runtime.start_process_group``); None for one rank."""
         if not self.dp_enabled:
             return None
         if self.mesh is not None:
             return self.mesh
         if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            # device_id binds NCCL to this rank's GPU at once (eager init: no lazy per-collective setup).
-            timeout = None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+            raise RuntimeError(f"{self.dp_degree} data-parallel ranks need a process group: start it before "
+                               "parallelize_nsa (nsa_titan.components.runtime.start_process_group)")
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects {self.world_size}")
         shape, names = self.mesh_shape()

@@ -25,8 +25,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.init_weights(buffer_device=device)
 
 
-def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
-                    device: torch.device | None = None, *, compile_backend: str = "inductor") -> nn.Module:
+def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any, device: torch.device, *,
+                    compile_backend: str = "inductor") -> nn.Module:
     """Make a meta-device NSA model ready to train on this rank; returns the model to call (may be a wrapper).
 
     Order, and why:
@@ -43,16 +43,13 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
        process, never more than one unit unsharded); DDP and FSDP1 need the whole model materialised before
        wrapping (DDP broadcasts it, FSDP1 flattens it and cannot run our model-level init per unit).
 
-    ``device`` defaults to ``training.device`` resolved for this process (cuda:LOCAL_RANK or cpu).
-    ``compile_backend``: see ``apply_compile`` (tests use a cheaper backend with the same partitioner).
+    ``device``: this rank's device. With several ranks the default process group must be started (the trainer
+    does it: ``components.runtime.start_process_group``). ``compile_backend``: see ``apply_compile`` (tests use
+    a cheaper backend with the same partitioner).
     """
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("parallelize_nsa expects a model built under `with torch.device('meta')`: it shards "
                          "before allocating, so no rank ever holds the full model")
-    if device is None:
-        from nsa_titan.components.runtime import resolve_device, world_from_env  # noqa: PLC0415
-
-        device = resolve_device(job_config.training.device, world_from_env().local_rank)
     ac, pc = job_config.activation_checkpoint, job_config.parallelism
     if job_config.compile.cudagraphs and (device.type != "cuda" or parallel_dims.dp_enabled):
         raise ConfigError("compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU without data parallelism "
