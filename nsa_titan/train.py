@@ -22,13 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from nsa_titan.components.diagnostics import NSADiagnostics
-from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective_failure_hint
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.preemption import EXIT_INTERRUPTED, Preempted
 from nsa_titan.components.profiling import TrainProfiler
-from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
     World,
     autocast_context,
@@ -42,6 +39,8 @@ from nsa_titan.components.runtime import (
 from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
+from nsa_titan.errors import EXIT_CONFIG, EXIT_INTERRUPTED, TrainingFailure
+from nsa_titan.fault import Preempted, Resilience, TrainHooks, collective_failure_hint
 from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, parallelize_nsa
@@ -281,8 +280,8 @@ if __name__ == "__main__":
         result = main()
     except ConfigError as e:  # a settings mistake: the message names the key and the fix; no traceback
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     except TrainingFailure as e:  # detected by the trainer (e.g. a non-finite loss): the message says what to do
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see components/preemption.py)
+    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see fault/preemption.py)

@@ -14,7 +14,7 @@ from _ckpt_util import STEPS, args, ckpt_args, explain, losses, run, run_ranks, 
 from _fault_worker import full_state
 from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
 from nsa_titan.checkpoint.state import reshard_loader_state
-from nsa_titan.components.failure import TrainHooks
+from nsa_titan.fault import TrainHooks
 from nsa_titan.config import ConfigError
 
 

@@ -12,7 +12,7 @@ import torch
 
 from _ckpt_util import ckpt_args, run
 from nsa_titan.checkpoint import list_checkpoints, step_dir_name
-from nsa_titan.components.failure import TrainHooks
+from nsa_titan.fault import TrainHooks
 
 
 @pytest.fixture(autouse=True)

@@ -41,13 +41,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
-
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from nsa_titan.checkpoint.export import export_model
 from nsa_titan.checkpoint.folder import (
+    TMP_PREFIX,
     TRASH_PREFIX,
     checksum_problems,
     describe_write_error,
+    export_dir_name,
     inspect_checkpoint,
     list_checkpoints,
     list_unfinished,
@@ -59,7 +61,7 @@ from nsa_titan.checkpoint.folder import (
 )
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
-from nsa_titan.components.failure import TrainingFailure
+from nsa_titan.errors import TrainingFailure
 from nsa_titan.config import ConfigError
 
 class CheckpointWriteError(TrainingFailure):
@@ -290,7 +292,7 @@ class CheckpointManager:
         live = self._require_live()
         self.wait()  # one save in flight at a time: DCP's stager and our commit are per checkpoint
         final = self.folder / step_dir_name(step)
-        tmp = self.folder / f".tmp-{final.name}"
+        tmp = self.folder / f"{TMP_PREFIX}{final.name}"
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -387,10 +389,8 @@ class CheckpointManager:
 
     def export(self, step: int) -> Path | None:
         """Model-only export (checkpoint.export_at_end); collective when sharded, rank 0 writes."""
-        from nsa_titan.checkpoint.export import export_model  # noqa: PLC0415 - needs safetensors, load on use
-
         live = self._require_live()
-        out = self.folder / f"export-{step_dir_name(step)}"
+        out = self.folder / export_dir_name(step_dir_name(step))
         path = export_model(live["model"], out, model_args=self.model_args, dtype=self.cfg.export_dtype,
                             rank=self.rank)
         if path is not None:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nsa_titan.models.nsa.attention import NSAAttention
+
 BRANCHES = ("cmp", "slc", "win")
 N_DISTANCE_BINS = 12
 # Bin i >= 1 holds distances [2^(i-1), 2^i); bin 0 the query's own block; the last bin is open-ended.
@@ -160,8 +162,6 @@ class NSADiagnostics:
     @classmethod
     def attach(cls, model: nn.Module, **kwargs: Any) -> NSADiagnostics:
         """A collector wired into every NSAAttention of ``model`` (wrapped or not; none for dense attention)."""
-        from nsa_titan.models.nsa.attention import NSAAttention  # noqa: PLC0415 - models import components
-
         collector = cls(**kwargs)
         collector._modules = [m for m in model.modules() if isinstance(m, NSAAttention)]  # in layer order
         for m in collector._modules:

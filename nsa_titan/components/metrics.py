@@ -184,7 +184,7 @@ class MetricsLogger:
                 self._jsonl = open(self.jsonl_path, "w", buffering=1)  # line-buffered: readable while running
             if metrics_cfg.enable_tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
+                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
 
                     self._tb = SummaryWriter(log_dir=str(folder / "tb"))
                 except ImportError as e:

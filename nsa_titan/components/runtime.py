@@ -89,7 +89,7 @@ def device_name(device: torch.device) -> str:
 
 def software_versions() -> dict[str, str | None]:
     try:
-        import triton  # noqa: PLC0415 - optional, absent on CPU-only installs
+        import triton  # noqa: PLC0415 - optional
 
         triton_version = triton.__version__
     except ImportError:

@@ -181,7 +181,7 @@ def hf_documents(path: str, *, hf_split: str = "train", text_field: str = "text"
     if not path:
         raise ValueError("data.path is required for data.dataset=\"hf\"; set it to a hub name or local files")
     try:
-        import datasets  # lazy: heavy optional dependency
+        import datasets  # noqa: PLC0415 - optional
     except ImportError as e:
         raise ImportError(f"data.dataset=\"hf\" needs the `datasets` package; install it with `{_HF_INSTALL_HINT}`") from e
     builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}

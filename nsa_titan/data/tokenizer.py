@@ -81,7 +81,7 @@ class HFTokenizer:
 
     def __init__(self, path: str, eos_token: str | None = None):
         try:
-            import tokenizers  # lazy: optional dependency, only needed for this class
+            import tokenizers  # noqa: PLC0415 - optional
         except ImportError as e:
             raise ImportError(
                 f"HFTokenizer needs the `tokenizers` package to read {path!r}; install it with "

@@ -34,9 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nsa_titan.experiments.common import (
     REPO, child_env, environment_of, fmt, launch_command, md_table, visible_gpus, write_report,
 )
+from nsa_titan.experiments.probe import run_probe
 
 
 @dataclass(frozen=True)
@@ -199,10 +202,6 @@ class ProbeRunner:
         return result
 
     def _in_process(self, args: list[str], p: Point, fake: bool) -> dict[str, Any]:
-        import torch  # noqa: PLC0415
-
-        from nsa_titan.experiments.probe import run_probe  # noqa: PLC0415
-
         torch._dynamo.reset()  # a fresh model per probe: stale compiled graphs would count against recompile limits
         return run_probe(args, fake_world_size=p.gpus if p.gpus > 1 else None, warmup=self.warmup, steps=self.steps)
 

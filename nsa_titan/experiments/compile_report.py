@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nsa_titan.config import load_job_config
 from nsa_titan.experiments.common import (
     REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, write_report,
 )
@@ -124,8 +125,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.seq_lens:
         seqs = [int(s) for s in a.seq_lens.split(",")]
     else:
-        from nsa_titan.config import load_job_config  # noqa: PLC0415
-
         seqs = [load_job_config(["--config", a.config, *extra]).training.seq_len]
     rows = []
     for seq in seqs:

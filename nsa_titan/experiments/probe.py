@@ -47,7 +47,8 @@ from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
 def init_fake_process_group(world_size: int) -> None:
     """This process becomes rank 0 of ``world_size`` ranks whose collectives do nothing (see module docstring)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - registers backend "fake"
+    # Private testing module (may be absent from a torch build); importing it registers the backend "fake".
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - optional
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 

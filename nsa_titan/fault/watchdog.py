@@ -31,7 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from nsa_titan.components.failure import EXIT_PEER_FAILED, EXIT_WATCHDOG
+import torch.distributed as dist
+
+from nsa_titan.errors import EXIT_PEER_FAILED, EXIT_WATCHDOG
 
 FAILED_STATUSES = ("failed", "hung", "peer_failed")
 
@@ -111,12 +113,11 @@ def describe_peers(folder: Path, world_size: int, run_id: str | None, me: int) -
 
 def dump_flight_recorder(folder: Path, rank: int) -> Path | None:
     """Write the collective flight recorder's trace, when this torch build and backend have one."""
-    try:
-        import torch.distributed as dist  # noqa: PLC0415
-        from torch._C import _distributed_c10d as c10d  # noqa: PLC0415
-    except ImportError:
-        return None
     if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:  # the C++ side of torch.distributed; builds without it have no recorder
+        from torch._C import _distributed_c10d as c10d  # noqa: PLC0415 - optional
+    except ImportError:
         return None
     fn = getattr(c10d, "_dump_nccl_trace", None) if dist.get_backend() == "nccl" else None
     fn = fn or getattr(c10d, "_dump_fr_trace", None)

@@ -36,7 +36,7 @@ from nsa_titan.checkpoint import (
     step_dir_name,
 )
 from nsa_titan.checkpoint.folder import writable_problem
-from nsa_titan.components.failure import (
+from nsa_titan.fault.failure import (
     NonFiniteError,
     NonFiniteGuard,
     PeerFailure,
@@ -44,8 +44,8 @@ from nsa_titan.components.failure import (
     collective_failure_hint,
     suggest_command,
 )
-from nsa_titan.components.preemption import Preempted, StopSignals
-from nsa_titan.components.watchdog import Watchdog, describe_peers, find_dead_peer
+from nsa_titan.fault.preemption import Preempted, StopSignals
+from nsa_titan.fault.watchdog import Watchdog, describe_peers, find_dead_peer
 from nsa_titan.config import ConfigError
 
 
