@@ -168,8 +168,8 @@ def main() -> None:
             s = json.loads(summary_file.read_text())
             rows.append({"variant": name, **{k: s.get(k) for k in (
                 "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
-                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")}, "model": s.get("model"),
-                "training": s["config"]["training"]})
+                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
+                "model": s.get("model"), "training": s["config"]["training"]})
     meta = environment()
     result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

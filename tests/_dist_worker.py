@@ -180,10 +180,12 @@ def _parity_cases():
                                            "--parallelism.fsdp_prefetch", "1"], 2, 2),
         ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
                                               "--parallelism.fsdp_cpu_offload"], 2, 1),
-        ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1", "--parallelism.fsdp1_sharding_strategy",
-                                         "grad_op", "--parallelism.fsdp1_backward_prefetch", "post",
+        ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1",
+                                         "--parallelism.fsdp1_sharding_strategy", "grad_op",
+                                         "--parallelism.fsdp1_backward_prefetch", "post",
                                          "--parallelism.fsdp1_forward_prefetch"], 2, 2),
-        ("ddp_no_static_graph", ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_static_graph", "false"], 2, 2),
+        ("ddp_no_static_graph", ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_static_graph", "false"],
+         2, 2),
     ]
     return cases
 

@@ -14,8 +14,8 @@ from _ckpt_util import STEPS, args, ckpt_args, explain, losses, run, run_ranks, 
 from _fault_worker import full_state
 from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
 from nsa_titan.checkpoint.state import reshard_loader_state
-from nsa_titan.fault import TrainHooks
 from nsa_titan.config import ConfigError
+from nsa_titan.fault import TrainHooks
 
 
 @pytest.fixture(autouse=True)
@@ -229,8 +229,8 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     for path in d.values():
         path.mkdir()
     # async_mode: the background writes (on their own gloo group) must be exactly the state at the save step.
-    res = run_ranks("none", 0, ckpt_args(d["fsdp2"] / "dump", "--checkpoint.keep_latest_k", "0", "--checkpoint.async_mode",
-                                         "async"), tmp_path=d["fsdp2"],
+    res = run_ranks("none", 0, ckpt_args(d["fsdp2"] / "dump", "--checkpoint.keep_latest_k", "0",
+                                         "--checkpoint.async_mode", "async"), tmp_path=d["fsdp2"],
                     worker_opts=("--ref", f"11:{tmp_path / 'after10.pt'}"))
     assert all(r["returncode"] == 0 for r in res), explain(res)
     straight = losses(d["fsdp2"] / "dump")
@@ -261,7 +261,8 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     _copy_checkpoint(d["ddp"] / "dump", 13, d["fsdp1"] / "dump")
     res = run_ranks("none", 0, ckpt_args(d["fsdp1"] / "dump", "--parallelism.data_parallel", "fsdp1", steps=15,
                                          interval=14), tmp_path=d["fsdp1"],
-                    worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}", "--ref", f"15:{tmp_path / 'fsdp1_14.pt'}"))
+                    worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}",
+                                 "--ref", f"15:{tmp_path / 'fsdp1_14.pt'}"))
     assert all(r["returncode"] == 0 for r in res), explain(res)
     _same_state(torch.load(tmp_path / "ddp13.pt"), torch.load(tmp_path / "fsdp1_start.pt"))  # DDP -> FSDP1
 

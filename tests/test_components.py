@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from _reference_step import reference_forward_backward
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
 from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
 from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
 from nsa_titan.components.runtime import World, world_from_env
-from _reference_step import reference_forward_backward
 from nsa_titan.components.train_step import clip_grad_norm, evaluate, forward_backward, train_step
 from nsa_titan.data import IGNORE_INDEX
 
@@ -140,7 +140,8 @@ def test_schedule_validation_and_state_dict():
         opt.step()
         sched.step()
     assert sched.state_dict()["last_epoch"] == 3
-    assert lr_factor(0, warmup_steps=0, total_steps=10, decay_type="linear", min_lr_ratio=0.0, wsd_decay_ratio=0.2) == 1.0
+    no_warmup = lr_factor(0, warmup_steps=0, total_steps=10, decay_type="linear", min_lr_ratio=0.0, wsd_decay_ratio=0.2)
+    assert no_warmup == 1.0
 
 
 # ---------------- metrics ----------------

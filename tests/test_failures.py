@@ -15,10 +15,10 @@ import torch
 
 from _ckpt_util import args, ckpt_args, explain, losses, run, run_ranks, run_worker
 from nsa_titan.checkpoint import inspect_checkpoint, step_dir_name
+from nsa_titan.config import ConfigError
 from nsa_titan.errors import EXIT_PEER_FAILED, EXIT_WATCHDOG
 from nsa_titan.fault import NonFiniteError, TrainHooks
 from nsa_titan.fault.watchdog import Watchdog, heartbeat_path
-from nsa_titan.config import ConfigError
 
 
 @pytest.fixture(autouse=True)

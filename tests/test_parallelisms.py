@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -202,10 +201,12 @@ def test_parallel_dims_resolve_and_validate():
 
 def test_config_sections_and_cross_checks():
     cfg = load_job_config(["--parallelism.data_parallel", "ddp", "--activation_checkpoint.mode", "ratio",
-                           "--activation_checkpoint.ratio", "0.25", "--parallelism.fsdp_reshard_after_forward", "never"])
+                           "--activation_checkpoint.ratio", "0.25",
+                           "--parallelism.fsdp_reshard_after_forward", "never"])
     assert (cfg.parallelism.data_parallel, cfg.activation_checkpoint.ratio) == ("ddp", 0.25)
     assert cfg.parallelism.fsdp_reshard_after_forward == "never"
-    assert load_job_config(["--parallelism.fsdp_reshard_after_forward", "2"]).parallelism.fsdp_reshard_after_forward == 2
+    reshard_2 = load_job_config(["--parallelism.fsdp_reshard_after_forward", "2"]).parallelism
+    assert reshard_2.fsdp_reshard_after_forward == 2
     with pytest.raises(ConfigError, match="needs|compile.enable"):
         load_job_config(["--activation_checkpoint.mode", "memory_budget"])
     with pytest.raises(ConfigError, match="parallelism.data_parallel"):
@@ -283,7 +284,8 @@ def test_run_train_sh_two_cpu_processes(tmp_path):
            "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
            "--model.ffn_hidden_dim", "96", "--training.seq_len", "128", "--training.local_batch_size", "2",
            "--training.grad_accum_steps", "2", "--training.steps", "6", "--metrics.log_freq", "3",
-           "--metrics.val_freq", "0", "--lr_scheduler.warmup_steps", "2", "--parallelism.data_parallel", "fsdp2", "--activation_checkpoint.mode", "ratio",
+           "--metrics.val_freq", "0", "--lr_scheduler.warmup_steps", "2", "--parallelism.data_parallel", "fsdp2",
+           "--activation_checkpoint.mode", "ratio",
            "--activation_checkpoint.ratio", "0.5", "--job.dump_folder", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

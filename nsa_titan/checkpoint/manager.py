@@ -56,13 +56,14 @@ from nsa_titan.checkpoint.folder import (
     remove_dir,
     replace_dir,
     step_dir_name,
-    write_marker,
     writable_problem,
+    write_marker,
 )
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
-from nsa_titan.errors import TrainingFailure
 from nsa_titan.config import ConfigError
+from nsa_titan.errors import TrainingFailure
+
 
 class CheckpointWriteError(TrainingFailure):
     """A save failed because the checkpoint folder cannot take it (disk full, read-only, no permission)."""
@@ -115,8 +116,9 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         problem = writable_problem(self.folder) if self.enabled else None
         if problem:  # found now, not at the first save (up to checkpoint.interval steps later)
-            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass --checkpoint.folder "
-                              "(an absolute path, or relative to job.dump_folder) on a writable disk")
+            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass "
+                              "--checkpoint.folder (an absolute path, or relative to job.dump_folder) on a writable "
+                              "disk")
         self.candidates = self._resume_candidates(self.log)
 
     def _latest_folders(self) -> list[tuple[int, Path]]:
@@ -231,7 +233,8 @@ class CheckpointManager:
                          device=live["device"], saved_world_size=int(meta.get("world_size", 1)),
                          world_size=self.world_size, keep_saved_hyperparams=self.cfg.keep_saved_hyperparams,
                          log=self.log)
-            self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} rank(s))")
+            self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} "
+                     "rank(s))")
             self.last_saved_step = int(meta["step"])
             return self.last_saved_step
         return None
@@ -246,7 +249,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         bad = self._checksum_problems(path, meta)
         if bad:
-            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}" + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""))
+            more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}{more}")
         size = sum(e["size"] for e in meta["files"].values())
         self.log(f"checkpoint: CRC-32 of {len(meta['files'])} files ({size / 1e9:.2f} GB) in {path.name} verified in "
                  f"{time.perf_counter() - t0:.2f}s")

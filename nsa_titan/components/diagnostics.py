@@ -61,7 +61,8 @@ def selection_stats(block_idx: torch.Tensor, slc_block: int) -> dict[str, torch.
     bins = torch.bucketize(dist, bounds, right=True)  # 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, ...
     # Unused slots go to an extra last bin that is cut off (bincount would size itself with a host sync).
     bins = torch.where(valid, bins, N_DISTANCE_BINS).flatten()
-    counts = torch.zeros(N_DISTANCE_BINS + 1, device=block_idx.device).scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
+    counts = torch.zeros(N_DISTANCE_BINS + 1, device=block_idx.device)
+    counts = counts.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
     n_valid = valid.sum().float().clamp(min=1)
     forced = valid & ((block_idx == 0) | (block_idx == current) | (block_idx == current - 1))
     return {"slc_distance_hist": counts[:N_DISTANCE_BINS] / n_valid,

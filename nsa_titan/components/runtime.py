@@ -84,7 +84,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     # The intra-op thread count matters on CPU: oversubscribed OpenMP threads can slow steps by 10x+.
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, intra-op threads {torch.get_num_threads()})"
+    return (f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"intra-op threads {torch.get_num_threads()})")
 
 
 def software_versions() -> dict[str, str | None]:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from nsa_titan.config.manager import check as _check
 
+
 @dataclass
 class Parallelism:
     """Data parallelism over the torchrun ranks (world size = dp_replicate x dp_shard). A single process ignores it."""

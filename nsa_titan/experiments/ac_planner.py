@@ -37,7 +37,14 @@ from typing import Any
 import torch
 
 from nsa_titan.experiments.common import (
-    REPO, child_env, environment_of, fmt, launch_command, md_table, visible_gpus, write_report,
+    REPO,
+    child_env,
+    environment_of,
+    fmt,
+    launch_command,
+    md_table,
+    visible_gpus,
+    write_report,
 )
 from nsa_titan.experiments.probe import run_probe
 
@@ -163,7 +170,8 @@ def recommendations(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def describe(r: dict[str, Any]) -> str:
-    return f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}: bs={r['local_batch']} AC={r['ac_ratio']:g} GA={r['grad_accum']}"
+    gpus = f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}"
+    return f"{gpus}: bs={r['local_batch']} AC={r['ac_ratio']:g} GA={r['grad_accum']}"
 
 
 class ProbeRunner:
@@ -177,7 +185,8 @@ class ProbeRunner:
         self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.gpus = 0 if in_process else visible_gpus()
         self.cache_file = self.work / "probes.json"
-        self.cache: dict[str, Any] = {} if force or not self.cache_file.exists() else json.loads(self.cache_file.read_text())
+        fresh = force or not self.cache_file.exists()
+        self.cache: dict[str, Any] = {} if fresh else json.loads(self.cache_file.read_text())
         # Results are only reused for the same trainer arguments.
         self.fingerprint = hashlib.sha1(json.dumps(self.train_args).encode()).hexdigest()[:10]
 

@@ -142,7 +142,8 @@ class Runner:
         if rc != "timeout":  # a timed-out run may succeed with more time: not cached
             (run_dir / "row.json").write_text(json.dumps(row, indent=2) + "\n")
         self.log(f"[{name}] " + (row.get("error") or f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
-                                 f"{row['step_time_s']:.3f} s/step, peak {fmt(row['peak_mem_reserved_gib'], '.1f')} GiB reserved"))
+                                 f"{row['step_time_s']:.3f} s/step, "
+                                 f"peak {fmt(row['peak_mem_reserved_gib'], '.1f')} GiB reserved"))
         return row
 
 
@@ -178,7 +179,8 @@ def save_plot(path: Path, draw: Callable[[Any], None]) -> str | None:
         matplotlib.use("Agg")  # files only, no display
         import matplotlib.pyplot as plt  # noqa: PLC0415 - optional
     except ImportError:
-        return f"{path.name} not written: matplotlib is not installed (pip install matplotlib), the tables have every number"
+        return (f"{path.name} not written: matplotlib is not installed (pip install matplotlib), "
+                "the tables have every number")
     plt.close("all")
     draw(plt)
     plt.tight_layout()

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from nsa_titan.components.metrics import GIB, peak_active_gib, peak_flops_for_name, peak_memory_gib
 from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.train_step import full_param_shapes, train_step
 from nsa_titan.components.runtime import (
     autocast_context,
     device_name,
@@ -39,6 +38,7 @@ from nsa_titan.components.runtime import (
     start_process_group,
     world_from_env,
 )
+from nsa_titan.components.train_step import full_param_shapes, train_step
 from nsa_titan.config import load_job_config
 from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
@@ -58,7 +58,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # host sync ok: timing boundary of a measurement, not the trainer
 
 
-def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: int = 2, steps: int = 3) -> dict[str, Any]:
+def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: int = 2,
+              steps: int = 3) -> dict[str, Any]:
     """Measure ``warmup + steps`` optimizer steps of the configuration that ``argv`` (trainer flags) describes."""
     cfg = load_job_config(argv)
     tc = cfg.training

@@ -129,7 +129,8 @@ class NonFiniteGuard:
         self._any |= bad
         self._window.append((self.step, bad))
         drop = self._any if self.policy == "stop" else bad
-        optimizer.found_inf = drop.float()  # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler)
+        # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler).
+        optimizer.found_inf = drop.float()
 
     def wants_check(self) -> bool:
         return self.enabled and self.check_every_step

@@ -36,6 +36,7 @@ from nsa_titan.checkpoint import (
     step_dir_name,
 )
 from nsa_titan.checkpoint.folder import writable_problem
+from nsa_titan.config import ConfigError
 from nsa_titan.fault.failure import (
     NonFiniteError,
     NonFiniteGuard,
@@ -46,7 +47,6 @@ from nsa_titan.fault.failure import (
 )
 from nsa_titan.fault.preemption import Preempted, StopSignals
 from nsa_titan.fault.watchdog import Watchdog, describe_peers, find_dead_peer
-from nsa_titan.config import ConfigError
 
 
 def shared_run_id() -> str:

@@ -63,7 +63,8 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
     # activations are already in the compute dtype; autocast handles the rest, as with one GPU).
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype],
                               cast_forward_inputs=False)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload
+                              else OffloadPolicy())
     blocks_reshard, last_reshard = _reshard_policy(pcfg.fsdp_reshard_after_forward)
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
 

@@ -111,7 +111,8 @@ class ParallelDims:
             raise RuntimeError(f"{self.dp_degree} data-parallel ranks need a process group: start it before "
                                "parallelize_nsa (nsa_titan.components.runtime.start_process_group)")
         if dist.get_world_size() != self.world_size:
-            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects {self.world_size}")
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects "
+                               f"{self.world_size}")
         shape, names = self.mesh_shape()
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         return self.mesh
