@@ -219,6 +219,9 @@ class Resilience:
         is seen at once (its pid is gone); elsewhere its heartbeat must go stale, so wait a little for it."""
         if self.watchdog is None or not collective_failure_hint(error, self.world_size):
             return None
+        # From here this thread names the peer (or re-raises): the watchdog thread must not exit with its own
+        # report halfway through (both exit 5, but the user would get the report without this thread's message).
+        self.watchdog.main_thread_reports_peer()
         fc = self.cfg.fault
         deadline = time.monotonic() + min(fc.peer_timeout_s, 3 * fc.heartbeat_interval_s)
         while (peer := find_dead_peer(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank,
