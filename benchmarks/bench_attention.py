@@ -161,7 +161,7 @@ def bench(cfgs, Ts):
             bench_fla(fla_nsa, row, cfg, q, k, v, dout)
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del ins, dout, q, k, v
+            ins = dout = q = k = v = None  # free this length's tensors before the next one
             torch.cuda.empty_cache()
     return rows
 
@@ -339,11 +339,12 @@ def write(out_dir, payload):
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in payload["bench"]:
             g = r.get
+            fla_status = g("fla_parallel_nsa", "-").split(" (")[0]
             lines.append(f"| {r['config']} | {r['T']} | {fmt(g('nsa_fwd_ms'))} | {fmt(g('nsa_fwdbwd_ms'))} | "
                          f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
                          f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "
                          f"{fmt(g('nsa_fwdbwd_GiB'))} | {fmt(g('sdpa_fwdbwd_GiB'))} | "
-                         f"{fmt(g('fla_fwdbwd_ms')) if g('fla_fwdbwd_ms') else g('fla_parallel_nsa', '-').split(' (')[0]} | "
+                         f"{fmt(g('fla_fwdbwd_ms')) if g('fla_fwdbwd_ms') else fla_status} | "
                          f"{fmt(g('nsa_vs_fla_fwdbwd'))} |")
         lines += ["", "fla-core's `parallel_nsa` runs the compressed and selected branches only (its window branch "
                   "needs flash-attn) with compression blocks of l' = 64; NSA here runs all three branches. "

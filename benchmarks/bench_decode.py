@@ -36,8 +36,14 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing the pack
 from nsa_titan.components.runtime import device_name, software_versions  # noqa: E402
 from nsa_titan.models import build_model, get_model_args  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
-from nsa_titan.models.nsa.decode import (KVCache, NSALayerCache, decode_step, dense_decode_attention,  # noqa: E402
-                                         nsa_decode_attention, nsa_tokens_read)
+from nsa_titan.models.nsa.decode import (  # noqa: E402
+    KVCache,
+    NSALayerCache,
+    decode_step,
+    dense_decode_attention,
+    nsa_decode_attention,
+    nsa_tokens_read,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -218,7 +224,8 @@ def run(ns) -> dict:
         del model
     for r in rows:  # speedup of NSA over dense at the same (mode, context, batch)
         if r["variant"] == "nsa":
-            dense = [x for x in rows if x["variant"] == "dense" and all(x[k] == r[k] for k in ("mode", "context", "batch"))]
+            same = ("mode", "context", "batch")
+            dense = [x for x in rows if x["variant"] == "dense" and all(x[k] == r[k] for k in same)]
             for key in ("eager_ms", "graph_ms"):
                 if dense and key in r and key in dense[0]:
                     r[f"speedup_{key[:-3]}"] = dense[0][key] / r[key]

@@ -116,7 +116,8 @@ def comm_worker(cpu: bool) -> None:
     # Up to 1 GiB: an FSDP unit of a 7B-class model all-gathers ~0.5 GB (bf16) and reduce-scatters ~1 GB (fp32).
     for mib in ((0.004, 1, 16) if cpu else (0.004, 8, 64, 256, 1024)):
         n = max(1, int(mib * 2**20 / 2)) // world * world  # bf16 elements, divisible by the world size
-        full, shard = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.ones(n // world, dtype=torch.bfloat16, device=dev)
+        full = torch.ones(n, dtype=torch.bfloat16, device=dev)
+        shard = torch.ones(n // world, dtype=torch.bfloat16, device=dev)
         ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
                "all_reduce": lambda: dist.all_reduce(full)}
@@ -163,7 +164,8 @@ def environment(cpu: bool) -> dict:
     gpu = not cpu and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name(0) if gpu else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
             "gpus_visible": torch.cuda.device_count() if gpu else 0, "torch": torch.__version__,
-            "triton": triton_version, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "triton": triton_version,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def fmt(v, f):

@@ -42,10 +42,10 @@ def check_syncs(config: str, impl: str, extra: list[str]) -> str:
     import torch
 
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
 
     cfg = load_job_config(["--config", config, "--model.attn_impl", impl, *extra])
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    args = cfg.model_args()
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device="cuda")
@@ -75,10 +75,10 @@ def kernel_busy(config: str, variant: str, extra: list[str], steps: int = 6) -> 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
 
     cfg = load_job_config(["--config", config, *VARIANTS[variant], *extra])
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
+    args = cfg.model_args()
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device="cuda")
@@ -168,8 +168,8 @@ def main() -> None:
             s = json.loads(summary_file.read_text())
             rows.append({"variant": name, **{k: s.get(k) for k in (
                 "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
-                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")}, "model": s.get("model"),
-                "training": s["config"]["training"]})
+                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
+                "model": s.get("model"), "training": s["config"]["training"]})
     meta = environment()
     result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -82,10 +82,11 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
         ok = [r for r in res if "ms" in r and r["same"]]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
-              f"{best and best['cfg']}; all " + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
-                                                          f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
-                                                          f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
-                                                          for r in res), flush=True)
+              f"{best and best['cfg']}; all "
+              + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
+                          f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
+                          f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
+                          for r in res), flush=True)
     print(json.dumps({k: v for k, v in out.items() if k.startswith("union")}), flush=True)
     return out
 

@@ -47,14 +47,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date'][:10]}; `bench_train.py`, one GPU, "
              "fp32 weights + bf16 autocast, tokens/s of the last 5-step log window; NSA and dense of a row come "
              "from the same command.", "",
-             "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB | dense GiB |",
+             "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB "
+             "| dense GiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["flavor"], r["seq_len"], r["local_batch"], r["variant"])):
         tgt = "-" if r["target"] is None else (f">= {r['target']:.1f} "
                                                + ("met" if (r["ratio"] or 0) >= r["target"] else "missed"))
         lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
                      f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
-                     f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | {f(r['dense_peak_gib'], '.1f')} |")
+                     f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
+                     f"{f(r['dense_peak_gib'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

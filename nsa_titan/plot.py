@@ -38,12 +38,13 @@ def read_curves(dump_folder: str | Path, jsonl_file: str = "metrics.jsonl") -> d
 
 def plot_runs(folders: list[str], out: str | Path) -> Path:
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional
 
         matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional
     except ImportError:
-        raise SystemExit("nsa_titan.plot needs matplotlib: pip install matplotlib (or pip install -e .[plot])") from None
+        raise SystemExit("nsa_titan.plot needs matplotlib: pip install matplotlib (or pip install -e .[plot])") \
+            from None
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for folder in folders:
         curves = read_curves(folder)

@@ -22,13 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from nsa_titan.components.diagnostics import NSADiagnostics
-from nsa_titan.components.failure import TrainHooks, TrainingFailure, collective_failure_hint
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.preemption import EXIT_INTERRUPTED, Preempted
 from nsa_titan.components.profiling import TrainProfiler
-from nsa_titan.components.resilience import Resilience
 from nsa_titan.components.runtime import (
     World,
     autocast_context,
@@ -36,22 +33,18 @@ from nsa_titan.components.runtime import (
     resolve_device,
     seed_everything,
     software_versions,
+    start_process_group,
     world_from_env,
 )
-from nsa_titan.components.train_step import evaluate, move_batch
+from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
 from nsa_titan.data.documents import add_document_inputs
-from nsa_titan.models import NSAModelArgs, build_model, get_model_args
+from nsa_titan.errors import EXIT_CONFIG, EXIT_INTERRUPTED, TrainingFailure
+from nsa_titan.fault import Preempted, Resilience, TrainHooks, collective_failure_hint
+from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
-from nsa_titan.parallelisms import (
-    CompileCounter,
-    ParallelDims,
-    describe_parallelism,
-    full_param_shapes,
-    parallelize_nsa,
-    train_step,
-)
+from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, parallelize_nsa
 
 
 def _print0(world: World, *args: Any) -> None:
@@ -60,9 +53,8 @@ def _print0(world: World, *args: Any) -> None:
 
 
 def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs:
-    """The flavor's args with the non-None ``[model]`` overrides applied, checked against seq_len and tokenizer."""
-    args = get_model_args(job_config.model.flavor, **job_config.model.overrides())
-    args.validate(job_config.training.seq_len)
+    """The config's model (``JobConfig.model_args``), also checked against the tokenizer's vocabulary."""
+    args = job_config.model_args()
     if vocab_needed > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the tokenizer ({job_config.data.tokenizer!r}) has {vocab_needed} tokens but the "
@@ -76,7 +68,7 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     """The model to train (fp32 master weights): built on meta, then ``parallelize_nsa`` applies activation
     checkpointing -> per-block compile -> data parallelism and materialises it (under FSDP2 each rank
     allocates only its shard). The rest of the loop only needs ``model(tokens) -> logits`` and
-    ``model.parameters()``.
+    ``model.parameters()``. ``model_args.attn_impl`` should be resolved for ``device`` (``resolve_attn_impl``).
     """
     if parallel_dims is None:
         parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
@@ -134,8 +126,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         raise ConfigError(str(e)) from None
     world = world_from_env()
     # Degrees are checked against the world size before any process group or GPU work.
-    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism,
-                                             collective_timeout_s=job_config.fault.collective_timeout_s)
+    parallel_dims = ParallelDims.from_config(world.world_size, job_config.parallelism)
     tc, mc = job_config.training, job_config.metrics
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 
@@ -168,7 +159,14 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         raise
     except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
         raise ConfigError(str(e)) from None
-    model = build_training_model(job_config, model_args, device, world, parallel_dims)
+    # The process group only now: every rank got this far, so a config or data error above fails each rank
+    # alone instead of leaving the others waiting for it.
+    start_process_group(world, device, timeout_s=job_config.fault.collective_timeout_s)
+    # 'auto' becomes the implementation that runs on this device: the model holds it and the log names it. The
+    # configured value stays in model_args (checkpoints record it: a resume on another device may differ).
+    attn_impl = resolve_attn_impl(model_args.attn_impl, device)
+    model = build_training_model(job_config, dataclasses.replace(model_args, attn_impl=attn_impl), device, world,
+                                 parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
     diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
@@ -178,8 +176,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         "params": count_params(model_args, include_embedding=False),
         "params_with_embedding": count_params(model_args, include_embedding=True),
         "training_flops_per_token": flops_per_token,
+        "attn_impl": attn_impl,
     }
-    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={model_args.attn_impl}): "
+    impl_text = attn_impl + (f" ({model_args.attn_impl})" if attn_impl != model_args.attn_impl else "")
+    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={impl_text}): "
                    f"{model_info['params'] / 1e6:.2f}M params excl. embedding "
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "
@@ -289,8 +289,8 @@ if __name__ == "__main__":
         result = main()
     except ConfigError as e:  # a settings mistake: the message names the key and the fix; no traceback
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     except TrainingFailure as e:  # detected by the trainer (e.g. a non-finite loss): the message says what to do
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see components/preemption.py)
+    sys.exit(result.get("exit_code", 0))  # 143 after SIGTERM, 130 after SIGINT (see fault/preemption.py)

@@ -56,7 +56,8 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_worker(scenario: str, step: int, argv: list[str], *, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+def run_worker(scenario: str, step: int, argv: list[str], *, timeout: float = 240,
+               env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(WORKER), scenario, str(step), "--", *argv], cwd=REPO,
                           env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
 

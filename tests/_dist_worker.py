@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _reference_step import reference_forward_backward
 from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.train_step import IGNORE_INDEX
-from nsa_titan.components.train_step import forward_backward as single_forward_backward
+from nsa_titan.components.train_step import clip_grad_norm, forward_backward, full_param_shapes
 from nsa_titan.config import load_job_config
+from nsa_titan.data import IGNORE_INDEX
 from nsa_titan.models import build_model, get_model_args
-from nsa_titan.parallelisms import ParallelDims, clip_grad_norm, full_param_shapes, materialize, parallelize_nsa
-from nsa_titan.parallelisms import forward_backward as dp_forward_backward
+from nsa_titan.parallelisms import ParallelDims, materialize, parallelize_nsa
 
 WORLD = 2
 SEQ, LOCAL_BS, STEPS = 32, 2, 3
@@ -95,14 +95,14 @@ def reference_state(n_layers: int) -> dict[str, torch.Tensor]:
 
 
 def run_single(state, n_layers: int, ga: int, steps: int = STEPS, ac_model=None):
-    """Single-process reference: the whole global batch, components' forward_backward, plain clipping."""
+    """Single-process reference: the whole global batch, the oracle's forward_backward, plain clipping."""
     model = ac_model or build_model(tiny_args(n_layers))
     model.load_state_dict(state, strict=False)
     opt = build_optimizer(model, opt_cfg(), "cpu")
     params = [p for p in model.parameters()]
     losses, grads = [], []
     for step in range(steps):
-        loss = single_forward_backward(model, global_batches(step, ga, model.args.vocab_size))
+        loss = reference_forward_backward(model, global_batches(step, ga, model.args.vocab_size))
         losses.append(loss.item())
         grads.append({clean(n): p.grad.detach().clone() for n, p in model.named_parameters()})
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -128,7 +128,7 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     sync_every = cfg.parallelism.grad_sync == "every_micro_batch"
     for step in range(steps):
         mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
-        loss = dp_forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)
+        loss = forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)
         losses.append(loss.item())
         grads.append(full_grads(model))
         clip_grad_norm(model, params, 1.0)
@@ -180,10 +180,12 @@ def _parity_cases():
                                            "--parallelism.fsdp_prefetch", "1"], 2, 2),
         ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
                                               "--parallelism.fsdp_cpu_offload"], 2, 1),
-        ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1", "--parallelism.fsdp1_sharding_strategy",
-                                         "grad_op", "--parallelism.fsdp1_backward_prefetch", "post",
+        ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1",
+                                         "--parallelism.fsdp1_sharding_strategy", "grad_op",
+                                         "--parallelism.fsdp1_backward_prefetch", "post",
                                          "--parallelism.fsdp1_forward_prefetch"], 2, 2),
-        ("ddp_no_static_graph", ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_static_graph", "false"], 2, 2),
+        ("ddp_no_static_graph", ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_static_graph", "false"],
+         2, 2),
     ]
     return cases
 

@@ -47,8 +47,9 @@ def dump_full_state(ctx, path) -> None:
 
 def main() -> int:
     torch.set_num_threads(1)  # tiny ops; 2-thread OpenMP on a loaded 2-core box is many times slower
-    from nsa_titan.components.failure import EXIT_NONFINITE, TrainHooks, TrainingFailure
     from nsa_titan.config import ConfigError
+    from nsa_titan.errors import EXIT_NONFINITE, TrainingFailure
+    from nsa_titan.fault import TrainHooks
     from nsa_titan.train import main as train_main
 
     scenario, step = sys.argv[1], int(sys.argv[2])

@@ -14,8 +14,8 @@ from _ckpt_util import STEPS, args, ckpt_args, explain, losses, run, run_ranks, 
 from _fault_worker import full_state
 from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
 from nsa_titan.checkpoint.state import reshard_loader_state
-from nsa_titan.components.failure import TrainHooks
 from nsa_titan.config import ConfigError
+from nsa_titan.fault import TrainHooks
 
 
 @pytest.fixture(autouse=True)
@@ -233,8 +233,8 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     for path in d.values():
         path.mkdir()
     # async_mode: the background writes (on their own gloo group) must be exactly the state at the save step.
-    res = run_ranks("none", 0, ckpt_args(d["fsdp2"] / "dump", "--checkpoint.keep_latest_k", "0", "--checkpoint.async_mode",
-                                         "async"), tmp_path=d["fsdp2"],
+    res = run_ranks("none", 0, ckpt_args(d["fsdp2"] / "dump", "--checkpoint.keep_latest_k", "0",
+                                         "--checkpoint.async_mode", "async"), tmp_path=d["fsdp2"],
                     worker_opts=("--ref", f"11:{tmp_path / 'after10.pt'}"))
     assert all(r["returncode"] == 0 for r in res), explain(res)
     straight = losses(d["fsdp2"] / "dump")
@@ -265,7 +265,8 @@ def test_two_rank_exact_resume_and_resharding(tmp_path):
     _copy_checkpoint(d["ddp"] / "dump", 13, d["fsdp1"] / "dump")
     res = run_ranks("none", 0, ckpt_args(d["fsdp1"] / "dump", "--parallelism.data_parallel", "fsdp1", steps=15,
                                          interval=14), tmp_path=d["fsdp1"],
-                    worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}", "--ref", f"15:{tmp_path / 'fsdp1_14.pt'}"))
+                    worker_opts=("--ref", f"0:{tmp_path / 'fsdp1_start.pt'}",
+                                 "--ref", f"15:{tmp_path / 'fsdp1_14.pt'}"))
     assert all(r["returncode"] == 0 for r in res), explain(res)
     _same_state(torch.load(tmp_path / "ddp13.pt"), torch.load(tmp_path / "fsdp1_start.pt"))  # DDP -> FSDP1
 
@@ -281,7 +282,7 @@ def test_state_dict_names_do_not_depend_on_wrappers():
     from nsa_titan.checkpoint.state import dcp_state_dict, rng_state
     from nsa_titan.components.optimizer import build_optimizer
     from nsa_titan.config import load_job_config
-    from nsa_titan.models import build_model, get_model_args
+    from nsa_titan.models import build_model
     from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
     keys = []
@@ -290,7 +291,7 @@ def test_state_dict_names_do_not_depend_on_wrappers():
         cfg = load_job_config(["--training.device", "cpu", "--model.n_layers", "2", "--model.attn_impl", "torch",
                                *extra])
         with torch.device("meta"):
-            model = build_model(get_model_args("debug", **cfg.model.overrides()))
+            model = build_model(cfg.model_args())
         model = parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optimizer, "cpu", require_fused=True)
         host = {"train_state": {}, "lr_scheduler": {}, "loader": {}, "rng": rng_state(torch.device("cpu"))}

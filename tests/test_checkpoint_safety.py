@@ -12,7 +12,7 @@ import torch
 
 from _ckpt_util import ckpt_args, run
 from nsa_titan.checkpoint import list_checkpoints, step_dir_name
-from nsa_titan.components.failure import TrainHooks
+from nsa_titan.fault import TrainHooks
 
 
 @pytest.fixture(autouse=True)
@@ -92,8 +92,9 @@ def test_inference_loading_refuses_pickled_entries_and_metadata(tmp_path):
 
 
 def test_checkpoints_hold_no_pickled_entries(tmp_path):
-    from nsa_titan.checkpoint.safe_load import read_metadata_safely
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from nsa_titan.checkpoint.safe_load import read_metadata_safely
 
     run(ckpt_args(tmp_path, steps=2, interval=2))
     entries = read_metadata_safely(tmp_path / "checkpoints" / step_dir_name(2)).state_dict_metadata

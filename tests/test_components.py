@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from _reference_step import reference_forward_backward
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
 from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
 from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
 from nsa_titan.components.runtime import World, world_from_env
-from nsa_titan.components.train_step import IGNORE_INDEX, evaluate, forward_backward
-from nsa_titan.parallelisms.train_step import clip_grad_norm, train_step
+from nsa_titan.components.train_step import clip_grad_norm, evaluate, forward_backward, train_step
+from nsa_titan.data import IGNORE_INDEX
 
 
 class Tiny(nn.Module):
@@ -139,7 +140,8 @@ def test_schedule_validation_and_state_dict():
         opt.step()
         sched.step()
     assert sched.state_dict()["last_epoch"] == 3
-    assert lr_factor(0, warmup_steps=0, total_steps=10, decay_type="linear", min_lr_ratio=0.0, wsd_decay_ratio=0.2) == 1.0
+    no_warmup = lr_factor(0, warmup_steps=0, total_steps=10, decay_type="linear", min_lr_ratio=0.0, wsd_decay_ratio=0.2)
+    assert no_warmup == 1.0
 
 
 # ---------------- metrics ----------------
@@ -362,9 +364,9 @@ def make_batch(tokens, n_real):
     return {"input": x, "labels": labels}
 
 
-def grads_of(model, micro_batches):
+def grads_of(model, micro_batches, step=forward_backward):
     model.zero_grad(set_to_none=True)
-    loss = forward_backward(model, micro_batches)
+    loss = step(model, micro_batches)
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
@@ -376,9 +378,11 @@ def test_grad_accumulation_is_token_normalised():
     joint = {k: torch.cat([a[k], b[k]]) for k in a}
     loss_ga, g_ga = grads_of(model, [a, b])
     loss_one, g_one = grads_of(model, [joint])
-    assert loss_ga == pytest.approx(loss_one.item(), rel=1e-6)
-    for x, y in zip(g_ga, g_one):
+    loss_ref, g_ref = grads_of(model, [a, b], step=reference_forward_backward)  # the oracle the DP tests use
+    assert loss_ga == pytest.approx(loss_one.item(), rel=1e-6) and loss_ga == pytest.approx(loss_ref.item(), rel=1e-6)
+    for x, y, z in zip(g_ga, g_one, g_ref):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-7)
     # The naive mean of per-micro-batch means differs, so this test can tell the two apart.
     _, g_a = grads_of(model, [a])
     _, g_b = grads_of(model, [b])
@@ -430,8 +434,6 @@ def test_world_from_env():
 
 def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
     """The GA loop and grad clipping must not read device values (the optimizer's CPU step counters may)."""
-    from nsa_titan.parallelisms.train_step import forward_backward as dp_forward_backward
-
     model = Tiny()
     batches = [make_batch([1, 2, 3, 4, 5], 4), make_batch([5, 4, 3, 2, 1], 2)]
 
@@ -440,7 +442,7 @@ def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
 
     for name in ("item", "tolist", "nonzero", "__float__", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
-    loss = dp_forward_backward(model, batches)
+    loss = forward_backward(model, batches)
     norm = clip_grad_norm(model, list(model.parameters()), 1.0)
     norm_unclipped = clip_grad_norm(model, list(model.parameters()), 0.0)
     monkeypatch.undo()

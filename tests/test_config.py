@@ -111,7 +111,8 @@ def test_bool_parsing():
 def test_list_parsing(tmp_path):
     assert load_job_config(["--optimizer.betas", "0.8,0.99"]).optimizer.betas == [0.8, 0.99]
     assert load_job_config(["--optimizer.betas", "[0.85, 0.9]"]).optimizer.betas == [0.85, 0.9]
-    assert load_job_config(["--config", _toml(tmp_path, "[optimizer]\nbetas = [0.7, 0.8]\n")]).optimizer.betas == [0.7, 0.8]
+    from_toml = load_job_config(["--config", _toml(tmp_path, "[optimizer]\nbetas = [0.7, 0.8]\n")])
+    assert from_toml.optimizer.betas == [0.7, 0.8]
     msg = _error(["--optimizer.betas", "0.9,abc"])
     assert "optimizer.betas" in msg and "list[float]" in msg
 
@@ -223,6 +224,21 @@ def test_range_checks_name_the_field(argv, field):
     assert field in msg and ("must" in msg or "required" in msg or "needs" in msg), msg
 
 
+def test_model_section_is_generated_from_nsa_model_args():
+    """Every NSAModelArgs field is a [model] key with the field's type (optional) and doc; model_args() applies them."""
+    from nsa_titan.models import MODEL_FLAVORS, NSAModelArgs
+
+    model_keys = section_fields(sections(JobConfig)["model"])
+    assert list(model_keys) == ["flavor", *(f.name for f in dataclasses.fields(NSAModelArgs))]
+    arg_types = typing.get_type_hints(NSAModelArgs)
+    for key, tp in model_keys.items():  # optional versions of the model's own types: choices cannot drift apart
+        assert key == "flavor" or tp == arg_types[key] | None, key
+    assert field_docs(sections(JobConfig)["model"])["window"].startswith("w: sliding-window length")
+    args = load_job_config(["--model.flavor", "m7c", "--model.rope_theta", "5e5", "--model.n_layers", "2"]).model_args()
+    assert (args.rope_theta, args.n_layers, args.dim) == (5e5, 2, MODEL_FLAVORS["m7c"].dim)
+    assert "model.norm_eps: must be > 0" in _error(["--model.norm_eps", "0"])
+
+
 def test_model_consistency_checked_against_seq_len():
     msg = _error(["--training.seq_len", "4096"])  # debug flavor covers 1024 positions
     assert "max_seq_len" in msg
@@ -276,27 +292,3 @@ def test_job_config_to_dict_is_json_serialisable():
     d = job_config_to_dict(load_job_config(["--model.n_layers", "2"]))
     assert json.loads(json.dumps(d))["model"]["n_layers"] == 2
     assert set(d) == set(sections(JobConfig))
-
-
-def test_model_overrides_mirror_model_args():
-    from nsa_titan.models.nsa.args import NSAModelArgs
-
-    arg_types = typing.get_type_hints(NSAModelArgs)
-    for key, tp in section_fields(sections(JobConfig)["model"]).items():
-        if key == "flavor":
-            continue
-        assert key in arg_types, f"model.{key} is not an NSAModelArgs field"
-        # The override is Optional[the model field's type], so choices can't drift apart.
-        assert tp == typing.Optional[arg_types[key]], key
-
-
-# --- shipped files -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(SHIPPED))
-def test_shipped_configs_load_and_validate(name):
-    path = REPO / "train_configs" / name
-    cfg = load_job_config(["--config", str(path)])
-    for dotted, value in SHIPPED[name].items():
-        assert _get(cfg, dotted) == value, (name, dotted)
-    assert cfg.job.config_file == str(path)

@@ -108,7 +108,8 @@ def test_sampled_branch_outputs_equal_the_reference_branches():
     ks, vs, kw, vw = (torch.randn(b, t, hkv, d) for _ in range(4))
     _, p_cmp = reference.compressed_attention(q, kc, vc, P)
     chosen = reference.select_blocks(reference.block_importance(p_cmp, hkv, P), P)
-    want = torch.stack([reference.compressed_attention(q, kc, vc, P)[0], reference.selected_attention(q, ks, vs, chosen, P),
+    want = torch.stack([reference.compressed_attention(q, kc, vc, P)[0],
+                        reference.selected_attention(q, ks, vs, chosen, P),
                         reference.window_attention(q, kw, vw, P.window)])[:, 0]  # [3, T, HQ, Dv], sequence 0
     pos = torch.arange(t)
     got = sampled_branch_outputs(q, (kc, vc), (ks, vs), (kw, vw), reference_blocks(q, kc, ks), P, pos)

@@ -10,7 +10,6 @@ import torch
 
 from nsa_titan.models.nsa import reference as ref
 from nsa_titan.models.nsa import torch_impl as fast
-from nsa_titan.models.nsa.common import NSAParams
 from test_nsa_attention import P, make_inputs
 
 T = 77
@@ -61,7 +60,7 @@ def test_selection_stays_inside_the_document():
     assert chosen.gather(-1, first.expand(-1, 2, -1, -1)).all()  # the document's first block is forced
     # Compressed probabilities put no mass outside the document.
     i = torch.arange(p_cmp.shape[-1])
-    assert p_cmp.masked_select((i * P.cmp_stride < DOCS[:, None, :, None])).abs().max() == 0
+    assert p_cmp.masked_select(i * P.cmp_stride < DOCS[:, None, :, None]).abs().max() == 0
 
 
 @pytest.mark.parametrize("impl", [ref.nsa_attention, fast.nsa_attention])

@@ -72,8 +72,8 @@ def test_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(manager.dcp, "save", save_until_full)
     with pytest.raises(manager.CheckpointWriteError, match=r"saving checkpoint step 4 failed: the disk holding "
-                                                           r".*checkpoints is full \(0.004 MB free, about \d+.\d+ MB were "
-                                                           r"to be written\).*checkpoint \(step 2\) is intact"):
+                                                           r".*checkpoints is full \(0.004 MB free, about \d+.\d+ MB "
+                                                           r"were to be written\).*checkpoint \(step 2\) is intact"):
         run(ckpt_args(tmp_path, steps=6, interval=2))
     assert not (tmp_path / "checkpoints" / f".tmp-{step_dir_name(4)}").exists()  # its partial files are gone
 

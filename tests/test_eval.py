@@ -13,7 +13,8 @@ from torch import nn
 from nsa_titan.data import ByteTokenizer, RetrievalTask
 from nsa_titan.eval import compare, needle, perplexity
 from nsa_titan.eval.weights import load_weights, read_safetensors, saved_model_args, write_safetensors
-from nsa_titan.generate import generate, main as generate_main, sample_next
+from nsa_titan.generate import generate, sample_next
+from nsa_titan.generate import main as generate_main
 from nsa_titan.models import build_model, get_model_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,8 +173,9 @@ def test_perplexity_of_uniform_model_is_vocab_size():
 
 def test_gpu_scripts_smoke_run_on_cpu(tmp_path):
     out = compare.main([*TINY_FLAGS, "--model.n_layers", "1", "--data.dataset", "retrieval", "--training.seq_len",
-                        "256", "--training.steps", "2", "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps",
-                        "1", "--training.device", "cpu", "--job.dump_folder", str(tmp_path / "dump"),
+                        "256", "--training.steps", "2", "--training.local_batch_size", "1",
+                        "--lr_scheduler.warmup_steps", "1", "--training.device", "cpu",
+                        "--job.dump_folder", str(tmp_path / "dump"),
                         "--lengths", "256", "--depths", "0,1", "--samples", "1", "--out", str(tmp_path), "--tag", "t"])
     assert set(out["results"]) == {"nsa", "dense"} and (tmp_path / "t.md").is_file()
     # Trained by the trainer into DCP checkpoints, evaluated from them (args from the checkpoint's marker).
@@ -185,7 +187,8 @@ def test_gpu_scripts_smoke_run_on_cpu(tmp_path):
     res = bench.main(["--device", "cpu", "--flavor", "debug", "--contexts", "512", "--batches", "1", "--iters", "1",
                       "--dtype", "fp32", "--out", str(tmp_path), "--tag", "d"])
     rows = {(r["variant"], r["mode"]): r for r in res["rows"]}
-    assert len(rows) == 4 and rows[("nsa", "model")]["kv_bytes_per_step"] < rows[("dense", "model")]["kv_bytes_per_step"]
+    assert len(rows) == 4
+    assert rows[("nsa", "model")]["kv_bytes_per_step"] < rows[("dense", "model")]["kv_bytes_per_step"]
     assert json.loads((tmp_path / "d.json").read_text())["torch"] == torch.__version__
     assert all(r["compute_ops"] > 0 for r in rows.values())
     # The op counter counts what computes or writes (ones, add, mul_), never views (view, t, reshape).

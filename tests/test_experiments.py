@@ -106,8 +106,8 @@ def run_plan(budget=30.0, gpus=(1, 2, 4), batches=(1, 2, 4, 8, 16, 32), limit=No
         if limit is not None and len(calls) >= limit:
             return None
         calls.append(p)
-        return {"peak_reserved_gib": fake_memory(p, ga_gib), "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": fake_speed(p),
-                "seq_len": 8192, "oom": False}
+        return {"peak_reserved_gib": fake_memory(p, ga_gib), "peak_alloc_gib": 0.0,
+                "tokens_per_s_per_gpu": fake_speed(p), "seq_len": 8192, "oom": False}
 
     rows = plan(list(gpus), list(batches), effective, RATIOS, measure, budget=lambda r: budget)
     return rows, calls
@@ -167,7 +167,8 @@ def test_a_crashed_probe_is_an_error_not_a_cell_that_does_not_fit():
     def measure(p: Point):
         if p.local_batch == 2:
             return {"failed": True, "error": "probe exit 1: RuntimeError: boom"}
-        return {"peak_reserved_gib": 1.0, "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": 1.0, "seq_len": 8, "oom": False}
+        return {"peak_reserved_gib": 1.0, "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": 1.0, "seq_len": 8,
+                "oom": False}
 
     rows = plan([1], [1, 2, 4], 64, RATIOS, measure, budget=lambda r: 30.0)
     assert [r["status"] for r in rows] == ["fits", "error", "fits"] and "boom" in rows[1]["note"]
@@ -225,7 +226,8 @@ def test_steady_stats_use_windows_after_warmup():
 
 def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypatch):
     argv = ["--config", "train_configs/debug_model.toml", "--cpu", "--gpus", "1", "--ac", "none", "--steps", "4",
-            "--warmup", "2", "--out", str(tmp_path), "--tag", "cpu", "--", *TINY_CLI, "--training.local_batch_size", "2"]
+            "--warmup", "2", "--out", str(tmp_path), "--tag", "cpu", "--", *TINY_CLI,
+            "--training.local_batch_size", "2"]
     first = dp_compare.main(argv)
     row = first["rows"][0]
     assert "error" not in row, row.get("error")

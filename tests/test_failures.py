@@ -15,9 +15,10 @@ import torch
 
 from _ckpt_util import args, ckpt_args, explain, losses, run, run_ranks, run_worker
 from nsa_titan.checkpoint import inspect_checkpoint, step_dir_name
-from nsa_titan.components.failure import EXIT_PEER_FAILED, EXIT_WATCHDOG, NonFiniteError, TrainHooks
-from nsa_titan.components.watchdog import Watchdog, heartbeat_path
 from nsa_titan.config import ConfigError
+from nsa_titan.errors import EXIT_PEER_FAILED, EXIT_WATCHDOG
+from nsa_titan.fault import NonFiniteError, TrainHooks
+from nsa_titan.fault.watchdog import Watchdog, heartbeat_path
 
 
 @pytest.fixture(autouse=True)
@@ -334,7 +335,7 @@ def test_stop_grace_time_bounds_the_exit(tmp_path):
     second Ctrl-C interrupts at once."""
     import signal
 
-    from nsa_titan.components.preemption import StopSignals
+    from nsa_titan.fault.preemption import StopSignals
 
     codes = []
     stop = StopSignals(grace_s=0.2, rank=0, world_size=1, exit_fn=codes.append)

@@ -182,7 +182,7 @@ def main(device: str) -> None:
         t0 = time.time()
         try:
             res = _run_case(case, device)
-        except Exception as e:  # report, do not stop: each case is its own test
+        except Exception as e:  # noqa: BLE001 - report, do not stop: each case is its own test
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
@@ -190,7 +190,7 @@ def main(device: str) -> None:
                         ("sel_blocks", _blocks_fwd_check)):
         try:
             res = check(device)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as above
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"case": name, **res}), flush=True)
 

@@ -12,7 +12,14 @@ from nsa_titan.config import load_job_config
 from nsa_titan.experiments import ac_planner
 from nsa_titan.experiments.ac_planner import Point, add_comm_estimates, plan
 from nsa_titan.experiments.comm_model import (
-    Bandwidth, Collective, CommEstimator, UnitSpec, UnitTimes, exposed_comm, step_comm, unit_times,
+    Bandwidth,
+    Collective,
+    CommEstimator,
+    UnitSpec,
+    UnitTimes,
+    exposed_comm,
+    step_comm,
+    unit_times,
 )
 from nsa_titan.experiments.plan_report import study_grid, write_plan_report
 from nsa_titan.experiments.probe import apply_memory_cap, memory_cap_fraction
@@ -180,6 +187,7 @@ def test_the_estimate_check_probe_has_its_own_cache_entry(tmp_path):
     runner = ac_planner.ProbeRunner(tmp_path, ["--config", "x.toml"], warmup=1, steps=1, timeout_s=1,
                                     time_limit_s=0, in_process=True)  # no time left: only cache hits answer
     real, fake = {"fake_process_group": False, "step_time_s": 1.0}, {"fake_process_group": True, "step_time_s": 0.9}
-    runner.cache.update({f"{runner.fingerprint}/g2-b1-ga2-r0.5": real, f"{runner.fingerprint}/g2-b1-ga2-r0.5-fake": fake})
+    key = f"{runner.fingerprint}/g2-b1-ga2-r0.5"
+    runner.cache.update({key: real, f"{key}-fake": fake})
     assert runner(Point(2, 1, 8, 0.5)) is real and runner(Point(2, 1, 8, 0.5), force_fake=True) is fake
     assert runner(Point(4, 1, 8, 0.5)) is None  # not cached, and the time limit allows no probe

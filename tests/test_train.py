@@ -33,6 +33,7 @@ def test_debug_run_learns_and_writes_outputs(tmp_path, capsys):
     summary = main(run_args(tmp_path, "--metrics.val_freq", "40", "--metrics.val_steps", "2"))
     out = capsys.readouterr().out
     assert "[training]" in out and "GFLOP/token" in out  # resolved config and model line printed
+    assert "attn_impl=torch (auto)" in out  # what runs, not the setting 'auto'
 
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["type"] == "train"]
@@ -51,6 +52,7 @@ def test_debug_run_learns_and_writes_outputs(tmp_path, capsys):
     assert on_disk["tokens"] == 80 * 4 * 256
     assert on_disk["config"]["training"]["steps"] == 80 and on_disk["model"]["params"] > 0
     assert on_disk["torch"] and on_disk["device"].startswith("cpu")
+    assert on_disk["model"]["attn_impl"] == "torch" and on_disk["model"]["args"]["attn_impl"] == "auto"
 
 
 def test_grad_accumulation_run(tmp_path):

@@ -7,10 +7,12 @@ position and RNG states; atomic, pruned, optionally asynchronous; plus a model-o
     ckpt.maybe_save(step, last=...)   # every checkpoint.interval steps and at the end
 """
 
-from nsa_titan.checkpoint.manager import CheckpointManager, inspect_checkpoint, list_checkpoints, step_dir_name
+from nsa_titan.checkpoint.folder import MARKER, inspect_checkpoint, list_checkpoints, step_dir_name
+from nsa_titan.checkpoint.manager import CheckpointManager
 from nsa_titan.checkpoint.state import TrainState, capture_host_state, restore_host_state
 
 __all__ = [
+    "MARKER",
     "CheckpointManager",
     "TrainState",
     "capture_host_state",

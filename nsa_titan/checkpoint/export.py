@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from nsa_titan.checkpoint.folder import TMP_PREFIX, export_dir_name, inspect_checkpoint
+from nsa_titan.checkpoint.safe_load import load_tensors
+from nsa_titan.models import NSAModelArgs, build_model
 
 _DTYPES = types.MappingProxyType({"bf16": torch.bfloat16, "fp32": torch.float32})  # read-only
 # (our name pattern, HF-style replacement); the first match wins, so the order matters.
@@ -47,7 +52,7 @@ _NOT_EXPORTED = re.compile(r"(^|\.)rope_(cos|sin)$")
 def require_safetensors() -> Any:
     """The safetensors.torch module, or an ImportError that says how to get it."""
     try:
-        import safetensors.torch  # noqa: PLC0415 - optional dependency
+        import safetensors.torch  # noqa: PLC0415 - optional
     except ImportError:
         raise ImportError("model export writes safetensors files and needs the `safetensors` package: "
                           "pip install safetensors (or turn off --checkpoint.export_at_end)") from None
@@ -64,8 +69,6 @@ def hf_name(name: str) -> str:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 tensors with clean names on rank 0 ({} elsewhere); collective when sharded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-
     # cpu_offload gathers straight into host memory (no full copy on the GPU); only for device tensors:
     # with CPU tensors it buys nothing, and FSDP1 + cpu_offload segfaults on CPU-only gloo ranks (torch 2.13).
     on_device = any(p.device.type != "cpu" for p in model.parameters())
@@ -88,7 +91,7 @@ def write_export(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, 
             raise ValueError(f"export: {name!r} and another tensor both map to {new!r}")
         tensors[new] = t.detach().to("cpu", _DTYPES[dtype]).contiguous()
         names[new] = name
-    tmp = out.with_name(f".tmp-{out.name}")
+    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     st.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "dtype": dtype})
@@ -114,10 +117,6 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, model_args: di
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                       dtype: str = "bf16") -> Path:
     """Offline: read the model part of a DCP checkpoint in this single process and export it."""
-    from nsa_titan.checkpoint.manager import inspect_checkpoint  # noqa: PLC0415
-    from nsa_titan.checkpoint.safe_load import load_tensors  # noqa: PLC0415
-    from nsa_titan.models import NSAModelArgs, build_model  # noqa: PLC0415
-
     require_safetensors()
     path = Path(checkpoint)
     meta, problem = inspect_checkpoint(path)
@@ -129,7 +128,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike 
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     load_tensors(state, path, no_dist=True)  # reads (and reshards) only the model tensors; unpickles no code
-    out = Path(out_dir) if out_dir else path.with_name(f"export-{path.name}")
+    out = Path(out_dir) if out_dir else path.with_name(export_dir_name(path.name))
     return write_export(state["model"], out, model_args=meta["model_args"], dtype=dtype)
 
 

@@ -1,5 +1,6 @@
 """The checkpoint folder on disk: names, the manifest (marker) with a checksum per file, and the renames that
-make a save appear all at once.
+make a save appear all at once. The one home of the layout (``MARKER``, ``step-N``, ``.tmp-``, ``.trash-``,
+``export-``): the manager and the exporter both read it from here.
 
 A complete checkpoint ``step-N`` holds DCP's files plus ``nsa_checkpoint.json`` (the marker), which lists
 every file with its size and CRC-32. Checking sizes is instant (it catches truncated and missing files);
@@ -35,6 +36,11 @@ _CHECKSUM_THREADS = 8
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def export_dir_name(checkpoint_name: str) -> str:
+    """The model-only export of checkpoint ``step-N`` goes beside it, into ``export-step-N``."""
+    return f"export-{checkpoint_name}"
 
 
 def file_checksum(path: str | os.PathLike) -> str:

@@ -41,26 +41,29 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
-
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from nsa_titan.checkpoint.export import export_model
 from nsa_titan.checkpoint.folder import (
+    TMP_PREFIX,
     TRASH_PREFIX,
     checksum_problems,
     describe_write_error,
+    export_dir_name,
     inspect_checkpoint,
     list_checkpoints,
     list_unfinished,
     remove_dir,
     replace_dir,
     step_dir_name,
-    write_marker,
     writable_problem,
+    write_marker,
 )
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.checkpoint.state import TrainState, apply_loaded, capture_host_state, dcp_state_dict, load_template
-from nsa_titan.components.failure import TrainingFailure
 from nsa_titan.config import ConfigError
+from nsa_titan.errors import TrainingFailure
+
 
 class CheckpointWriteError(TrainingFailure):
     """A save failed because the checkpoint folder cannot take it (disk full, read-only, no permission)."""
@@ -113,8 +116,9 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         problem = writable_problem(self.folder) if self.enabled else None
         if problem:  # found now, not at the first save (up to checkpoint.interval steps later)
-            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass --checkpoint.folder "
-                              "(an absolute path, or relative to job.dump_folder) on a writable disk")
+            raise ConfigError(f"checkpoint.folder: {problem}; free space or fix the folder, or pass "
+                              "--checkpoint.folder (an absolute path, or relative to job.dump_folder) on a writable "
+                              "disk")
         self.candidates = self._resume_candidates(self.log)
 
     def _latest_folders(self) -> list[tuple[int, Path]]:
@@ -229,7 +233,8 @@ class CheckpointManager:
                          device=live["device"], saved_world_size=int(meta.get("world_size", 1)),
                          world_size=self.world_size, keep_saved_hyperparams=self.cfg.keep_saved_hyperparams,
                          log=self.log)
-            self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} rank(s))")
+            self.log(f"checkpoint: resumed from {path} (step {meta['step']}, saved by {meta.get('world_size')} "
+                     "rank(s))")
             self.last_saved_step = int(meta["step"])
             return self.last_saved_step
         return None
@@ -244,7 +249,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         bad = self._checksum_problems(path, meta)
         if bad:
-            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}" + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""))
+            more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+            raise RuntimeError(f"corrupt: {'; '.join(bad[:3])}{more}")
         size = sum(e["size"] for e in meta["files"].values())
         self.log(f"checkpoint: CRC-32 of {len(meta['files'])} files ({size / 1e9:.2f} GB) in {path.name} verified in "
                  f"{time.perf_counter() - t0:.2f}s")
@@ -290,7 +296,7 @@ class CheckpointManager:
         live = self._require_live()
         self.wait()  # one save in flight at a time: DCP's stager and our commit are per checkpoint
         final = self.folder / step_dir_name(step)
-        tmp = self.folder / f".tmp-{final.name}"
+        tmp = self.folder / f"{TMP_PREFIX}{final.name}"
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -387,10 +393,8 @@ class CheckpointManager:
 
     def export(self, step: int) -> Path | None:
         """Model-only export (checkpoint.export_at_end); collective when sharded, rank 0 writes."""
-        from nsa_titan.checkpoint.export import export_model  # noqa: PLC0415 - needs safetensors, load on use
-
         live = self._require_live()
-        out = self.folder / f"export-{step_dir_name(step)}"
+        out = self.folder / export_dir_name(step_dir_name(step))
         path = export_model(live["model"], out, model_args=self.model_args, dtype=self.cfg.export_dtype,
                             rank=self.rank)
         if path is not None:

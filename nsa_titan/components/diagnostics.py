@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nsa_titan.models.nsa.attention import NSAAttention
+
 BRANCHES = ("cmp", "slc", "win")
 N_DISTANCE_BINS = 12
 # Bin i >= 1 holds distances [2^(i-1), 2^i); bin 0 the query's own block; the last bin is open-ended.
@@ -59,7 +61,8 @@ def selection_stats(block_idx: torch.Tensor, slc_block: int) -> dict[str, torch.
     bins = torch.bucketize(dist, bounds, right=True)  # 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, ...
     # Unused slots go to an extra last bin that is cut off (bincount would size itself with a host sync).
     bins = torch.where(valid, bins, N_DISTANCE_BINS).flatten()
-    counts = torch.zeros(N_DISTANCE_BINS + 1, device=block_idx.device).scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
+    counts = torch.zeros(N_DISTANCE_BINS + 1, device=block_idx.device)
+    counts = counts.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
     n_valid = valid.sum().float().clamp(min=1)
     forced = valid & ((block_idx == 0) | (block_idx == current) | (block_idx == current - 1))
     return {"slc_distance_hist": counts[:N_DISTANCE_BINS] / n_valid,
@@ -160,8 +163,6 @@ class NSADiagnostics:
     @classmethod
     def attach(cls, model: nn.Module, **kwargs: Any) -> NSADiagnostics:
         """A collector wired into every NSAAttention of ``model`` (wrapped or not; none for dense attention)."""
-        from nsa_titan.models.nsa.attention import NSAAttention  # noqa: PLC0415 - models import components
-
         collector = cls(**kwargs)
         collector._modules = [m for m in model.modules() if isinstance(m, NSAAttention)]  # in layer order
         for m in collector._modules:

@@ -115,7 +115,8 @@ def _fmt_pct(value: float | None, decimals: int) -> str:
 
 
 def format_train_line(r: dict[str, Any], total_steps: int) -> str:
-    mem = f"{r['peak_mem_gib']:.2f}" + ("" if r["peak_mem_reserved_gib"] is None else f"/{r['peak_mem_reserved_gib']:.2f}")
+    reserved = r["peak_mem_reserved_gib"]
+    mem = f"{r['peak_mem_gib']:.2f}" + ("" if reserved is None else f"/{reserved:.2f}")
     line = (
         f"step {r['step']:>6d}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | gnorm {r['grad_norm']:.3f}"
         f" | tok/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f}/gpu)"
@@ -185,7 +186,7 @@ class MetricsLogger:
                 self._jsonl = self._open_jsonl(self.jsonl_path, resumed_at_step)
             if metrics_cfg.enable_tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
+                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
 
                     self._tb = SummaryWriter(log_dir=str(folder / "tb"))
                 except ImportError as e:

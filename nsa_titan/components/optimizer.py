@@ -51,7 +51,8 @@ def resolve_fused(fused: Any, device_type: str) -> bool:
     return fused and device_type == "cuda"
 
 
-def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str, *, require_fused: bool = False) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, opt_cfg: Any, device_type: str, *,
+                    require_fused: bool = False) -> torch.optim.AdamW:
     """``require_fused``: use the fused kernel on any device (torch has it on CPU too) unless the config says
     fused=false, which is then an error: the non-finite guard drops bad updates through its found_inf input."""
     name = str(opt_cfg.name).lower()

@@ -87,7 +87,8 @@ class TrainProfiler:
             path = self.snapshot("oom")
             if path is not None:
                 self.log(f"[rank {self.rank}] out of memory at step {self._step + 1}: memory snapshot in {path} "
-                         "(open at https://pytorch.org/memory_viz; --profiling.enable_memory_snapshot adds the history)")
+                         "(open at https://pytorch.org/memory_viz; --profiling.enable_memory_snapshot adds the "
+                         "history)")
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.on_trace_ready = None  # a partial cycle at the end is not a trace anyone asked for

@@ -1,8 +1,9 @@
-"""Process-level setup for training: torchrun world, device, seeding, autocast, environment facts."""
+"""Process-level setup for training: torchrun world, process group, device, seeding, autocast, environment facts."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import platform
 import random
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,21 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> World:
     return world
 
 
+def start_process_group(world: World, device: torch.device, timeout_s: float | None = None) -> None:
+    """Start the default process group of a multi-rank run: NCCL on CUDA, gloo on CPU; nothing for one rank.
+
+    The trainer calls it once, after the config and the data were checked (a bad setting then fails before any
+    rank waits for the others) and before the model is built. ``timeout_s`` (fault.collective_timeout_s): a
+    collective that waits longer fails instead of hanging.
+    """
+    if world.world_size <= 1 or dist.is_initialized():
+        return
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    # device_id binds NCCL to this rank's GPU at once (eager init: no lazy per-collective setup).
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None, timeout=timeout)
+
+
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     spec = str(spec).lower()
     if spec == "auto":
@@ -56,9 +73,8 @@ def seed_everything(seed: int) -> None:
 
 
 def autocast_context(device: torch.device, mixed_precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (params stay fp32 = master weights); CPU always runs plain fp32."""
-    if mixed_precision not in ("bf16", "fp32"):
-        raise ValueError(f"training.mixed_precision must be 'bf16' or 'fp32', got {mixed_precision!r}")
+    """bf16 autocast on CUDA (params stay fp32 = master weights); CPU always runs plain fp32.
+    ``mixed_precision``: training.mixed_precision ('bf16' or 'fp32', checked by the config)."""
     if device.type == "cuda" and mixed_precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -68,12 +84,13 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     # The intra-op thread count matters on CPU: oversubscribed OpenMP threads can slow steps by 10x+.
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, intra-op threads {torch.get_num_threads()})"
+    return (f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"intra-op threads {torch.get_num_threads()})")
 
 
 def software_versions() -> dict[str, str | None]:
     try:
-        import triton  # noqa: PLC0415 - optional, absent on CPU-only installs
+        import triton  # noqa: PLC0415 - optional
 
         triton_version = triton.__version__
     except ImportError:

@@ -12,14 +12,18 @@ sections for scaling and long runs live in ``run_sections.py``.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nsa_titan.config.manager import ConfigError, config_to_dict, did_you_mean, parse_config
+from nsa_titan.config.manager import ConfigError, config_to_dict, field_docs, parse_config
 from nsa_titan.config.manager import check as _check
 from nsa_titan.config.run_sections import ActivationCheckpoint, Checkpoint, Fault, Parallelism, Profiling
+from nsa_titan.models.nsa.args import NSAModelArgs, get_model_args
+from nsa_titan.models.nsa.args import field_types as model_field_types
 
 
 @dataclass
@@ -35,70 +39,39 @@ class Job:
 
     def validate(self) -> None:
         _check(bool(self.dump_folder), "job.dump_folder", "must not be empty; e.g. --job.dump_folder ./outputs")
-        import os
-
         _check(not os.path.exists(self.dump_folder) or os.path.isdir(self.dump_folder), "job.dump_folder",
                f"{self.dump_folder!r} is a file, not a folder; pass another --job.dump_folder")
 
 
 @dataclass
-class Model:
+class ModelFlavor:
     """Which model: a named flavor plus optional overrides of its NSAModelArgs fields."""
 
     flavor: str = "debug"
     """Named NSAModelArgs preset from nsa_titan.models.MODEL_FLAVORS (debug, m7c, m7c_gpt2, 1b, qwen7b)."""
-    attn_impl: Literal["auto", "torch", "triton", "reference"] | None = None
-    """Attention implementation: 'auto' (Triton kernels on CUDA when available, else 'torch'), 'torch'
-    (vectorised portable path), 'triton' (the kernels) or 'reference' (dense spec, slow). None: flavor's."""
-    attn_type: Literal["nsa", "dense"] | None = None
-    """'nsa' (native sparse attention) or 'dense' (plain causal attention baseline). None: flavor's."""
-    compress: Literal["mlp", "mean"] | None = None
-    """Compression function phi: 'mlp' (paper) or 'mean' pooling. None: flavor's."""
-    shared_kv: bool | None = None
-    """Share one K/V projection across the three NSA branches. None: flavor's."""
-    vocab_size: int | None = None
-    """Embedding rows; must be >= the tokenizer's vocabulary. None: flavor's."""
-    n_layers: int | None = None
-    """Number of transformer blocks. None: flavor's."""
-    dim: int | None = None
-    """Model width. None: flavor's."""
-    n_heads: int | None = None
-    """Query heads. None: flavor's."""
-    n_kv_heads: int | None = None
-    """Key/value heads (n_heads must be a multiple). None: flavor's."""
-    head_dim: int | None = None
-    """Query/key head dimension (even, for RoPE). None: flavor's."""
-    ffn_hidden_dim: int | None = None
-    """SwiGLU hidden width. None: flavor's."""
-    max_seq_len: int | None = None
-    """Longest sequence the RoPE table covers (>= training.seq_len). None: flavor's."""
-    cmp_block: int | None = None
-    """l: tokens summarised by one compressed token. None: flavor's."""
-    cmp_stride: int | None = None
-    """d: stride between compression blocks (divides cmp_block and slc_block). None: flavor's."""
-    slc_block: int | None = None
-    """l': selection block size. None: flavor's."""
-    slc_top_n: int | None = None
-    """n: selected blocks per token and KV head (>= 3, forced blocks included). None: flavor's."""
-    window: int | None = None
-    """w: sliding-window length. None: flavor's."""
 
     def overrides(self) -> dict[str, Any]:
         """The NSAModelArgs fields set here (not None), for ``get_model_args(flavor, **overrides)``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "flavor" and getattr(self, f.name) is not None}
 
-    def validate(self) -> None:
-        # Imported here, not at module level: the config (and --help) must work without importing torch.
-        from nsa_titan.models import MODEL_FLAVORS
 
-        if self.flavor not in MODEL_FLAVORS:
-            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}{did_you_mean(self.flavor, MODEL_FLAVORS)}; "
-                              f"valid flavors: {', '.join(MODEL_FLAVORS)}")
-        for name, value in self.overrides().items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}; "
-                       f"pass a positive value or drop --model.{name} to keep the flavor's")
+def _model_section() -> type:
+    """``[model]``: ``flavor`` plus one optional key per NSAModelArgs field (None keeps the flavor's value).
+
+    Generated from NSAModelArgs, so that each field's type, choices and docstring are written once, there;
+    ``JobConfig.model_args`` applies the keys and NSAModelArgs.validate checks the result.
+    """
+    docs = field_docs(NSAModelArgs)
+    fields = [(name, tp | None, field(default=None)) for name, tp in model_field_types().items()]
+    return dataclasses.make_dataclass(
+        "Model", fields, bases=(ModelFlavor,),
+        namespace={"__module__": __name__, "__doc__": ModelFlavor.__doc__,
+                   "__field_docs__": {name: f"{docs.get(name, '')} None: the flavor's.".lstrip()
+                                      for name, _, _ in fields}})
+
+
+Model = _model_section()
 
 
 @dataclass
@@ -225,9 +198,6 @@ class Data:
             _check(bool(self.path), "data.path", f"is required for data.dataset={self.dataset!r}; "
                    "pass --data.path (a folder/glob of text files, or a dataset name)")
         if self.path and self.dataset in ("text_files", "retrieval"):
-            import glob
-            import os
-
             # Checked here so that a typo fails at start-up, not after the model is built on the GPU.
             _check(os.path.exists(self.path) or bool(glob.glob(self.path)), "data.path",
                    f"{self.path!r} does not exist and matches no files; pass a text file, a folder or a glob")
@@ -317,13 +287,17 @@ class JobConfig:
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
                               "add --compile.enable or choose another mode (full, selective_op, ratio)")
-        # The model's own consistency rules (divisibility, seq_len <= max_seq_len) live with the model.
-        from nsa_titan.models import get_model_args
+        self.model_args()
 
+    def model_args(self) -> NSAModelArgs:
+        """The model this config describes: ``[model] flavor`` with the other ``[model]`` keys applied, checked by
+        NSAModelArgs.validate (where the model's rules live), also against ``training.seq_len``."""
         try:
-            get_model_args(self.model.flavor, **self.model.overrides()).validate(self.training.seq_len)
-        except ValueError as e:
+            args = get_model_args(self.model.flavor, **self.model.overrides())
+            args.validate(self.training.seq_len)
+        except ValueError as e:  # unknown flavor, inconsistent sizes: the message names the key and the fix
             raise ConfigError(str(e)) from None
+        return args
 
 
 def load_job_config(argv: list[str] | None = None) -> JobConfig:

@@ -70,7 +70,21 @@ def section_fields(section_cls: type) -> dict[str, Any]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written directly below the field in ``cls``'s source."""
+    """Field name -> the docstring written directly below the field in the source of ``cls`` or a base class.
+
+    A generated class (``dataclasses.make_dataclass``: no source of its own) carries its docs as a
+    ``__field_docs__`` dict instead.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # bases first: a subclass's doc wins
+        if "__field_docs__" in vars(klass):
+            docs.update(klass.__field_docs__)
+        elif dataclasses.is_dataclass(klass):
+            docs.update(_source_field_docs(klass))
+    return docs
+
+
+def _source_field_docs(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source shipped (e.g. a zipapp of .pyc files): help without docs

@@ -5,11 +5,13 @@ the same conventions hold: each field's docstring sits directly below it and ``-
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from nsa_titan.config.manager import check as _check
+
 
 @dataclass
 class Parallelism:
@@ -128,8 +130,6 @@ class Checkpoint:
         _check(bool(str(self.resume_from).strip()), "checkpoint.resume_from",
                "must not be empty; use 'latest', 'none' or a checkpoint folder")
         if self.export_at_end:
-            import importlib.util
-
             _check(importlib.util.find_spec("safetensors") is not None, "checkpoint.export_at_end",
                    "needs the `safetensors` package: pip install safetensors (or drop --checkpoint.export_at_end)")
 

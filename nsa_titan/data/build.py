@@ -45,14 +45,15 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     Both splits are infinite: train reshuffles documents every epoch; val is read in a
     fixed order and cycles (call ``loader.reset()`` or build a fresh loader to evaluate
     the same batches each time). ``vocab_size`` (the model's) is checked against the
-    tokenizer when given. ``report``: where warnings about skipped files go (default: warnings.warn). Corpus text is read and tokenized here, once, and kept by the
-    returned loader.
+    tokenizer when given. ``report``: where warnings about skipped files go (default: warnings.warn).
+    Corpus text is read and tokenized here, once, and kept by the returned loader.
     """
     dataset = _cfg(data_cfg, "dataset")
     if dataset not in DATASETS:
         raise ValueError(f"data.dataset: unknown dataset {dataset!r}; valid choices are {list(DATASETS)}")
     if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"training.seq_len must be an int >= 2 (one input and one target token at least), got {seq_len!r}")
+        raise ValueError(f"training.seq_len must be an int >= 2 (one input and one target token at least), "
+                         f"got {seq_len!r}")
     if not isinstance(local_batch_size, int) or local_batch_size < 1:
         raise ValueError(f"training.local_batch_size must be an int >= 1, got {local_batch_size!r}")
     if world_size < 1 or not 0 <= rank < world_size:

@@ -16,8 +16,8 @@ import os
 import sysconfig
 import warnings
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -79,8 +79,8 @@ def _report_bad_files(path: str, bad: list[tuple[str, str]], total: int, on_erro
         return
     shown = "; ".join(f"{f} ({why})" for f, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
     if on_error == "fail":
-        raise ValueError(f"data.path: {len(bad)} of {total} files under {path!r} cannot be read as UTF-8 text: {shown}; "
-                         "fix or remove them, or set data.on_error = \"skip\" to train without them")
+        raise ValueError(f"data.path: {len(bad)} of {total} files under {path!r} cannot be read as UTF-8 text: "
+                         f"{shown}; fix or remove them, or set data.on_error = \"skip\" to train without them")
     report(f"data.path: skipped {len(bad)} of {total} files under {path!r} that cannot be read as UTF-8 text: "
            f"{shown} (data.on_error = \"fail\" stops on such files instead)")
 
@@ -144,7 +144,8 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
     if len(files) == 1:
         data, why = _read_text_file(files[0])
         if why:
-            raise ValueError(f"data.path: {files[0]} cannot be read as UTF-8 text ({why}); point data.path at text files")
+            raise ValueError(f"data.path: {files[0]} cannot be read as UTF-8 text ({why}); "
+                             "point data.path at text files")
         cut = len(data) - int(len(data) * val_fraction)
         nl = data.rfind(b"\n", 0, cut)
         cut = nl + 1 if nl > 0 else cut
@@ -181,9 +182,10 @@ def hf_documents(path: str, *, hf_split: str = "train", text_field: str = "text"
     if not path:
         raise ValueError("data.path is required for data.dataset=\"hf\"; set it to a hub name or local files")
     try:
-        import datasets  # lazy: heavy optional dependency
+        import datasets  # noqa: PLC0415 - optional
     except ImportError as e:
-        raise ImportError(f"data.dataset=\"hf\" needs the `datasets` package; install it with `{_HF_INSTALL_HINT}`") from e
+        raise ImportError(f"data.dataset=\"hf\" needs the `datasets` package; "
+                          f"install it with `{_HF_INSTALL_HINT}`") from e
     builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
     ext = os.path.splitext(path)[1].lower()
     if os.path.isfile(path) and ext in builders:
@@ -241,7 +243,8 @@ def tokenize_documents(docs: Iterable[bytes], tokenizer) -> TokenCorpus:
     np.cumsum(lens[:-1], out=starts[1:])
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     tokens = np.empty(int(lens.sum()), dtype=dtype)
-    for s, e in zip(starts.tolist(), encoded):  # one slice copy per document, not per token; host sync ok: numpy host data
+    # One slice copy per document, not per token. host sync ok: numpy host data.
+    for s, e in zip(starts.tolist(), encoded):
         tokens[s:s + len(e)] = e
         tokens[s + len(e)] = tokenizer.eos_id
     top = int(tokens.max())

@@ -15,7 +15,7 @@ stay in lockstep and never hang a collective at an epoch boundary.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch

@@ -10,7 +10,7 @@ Both expose the same small protocol that the rest of the data package relies on:
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -48,7 +48,8 @@ class ByteTokenizer:
         return [self.encode_bytes(d.encode("utf-8") if isinstance(d, str) else d) for d in docs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]  # host sync ok: decoding runs off the training path
+        # host sync ok: decoding runs off the training path
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         out: list[str] = []
         run = bytearray()
         for i in ids:
@@ -81,7 +82,7 @@ class HFTokenizer:
 
     def __init__(self, path: str, eos_token: str | None = None):
         try:
-            import tokenizers  # lazy: optional dependency, only needed for this class
+            import tokenizers  # noqa: PLC0415 - optional
         except ImportError as e:
             raise ImportError(
                 f"HFTokenizer needs the `tokenizers` package to read {path!r}; install it with "
@@ -130,7 +131,8 @@ class HFTokenizer:
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]  # host sync ok: decoding runs off the training path
+        # host sync ok: decoding runs off the training path
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def __repr__(self) -> str:

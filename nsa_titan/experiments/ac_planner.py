@@ -40,9 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nsa_titan.experiments.comm_model import DEFAULT_BANDWIDTH, Bandwidth, CommEstimator
 from nsa_titan.experiments.common import REPO, child_env, environment_of, launch_command, visible_gpus
 from nsa_titan.experiments.plan_report import describe, recommendations, write_plan_report
+from nsa_titan.experiments.probe import run_probe
 
 __all__ = ["Point", "add_comm_estimates", "describe", "main", "plan", "recommendations", "smallest_fitting"]
 
@@ -169,7 +172,8 @@ class ProbeRunner:
         self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.gpus = 0 if in_process else visible_gpus()
         self.cache_file = self.work / "probes.json"
-        self.cache: dict[str, Any] = {} if force or not self.cache_file.exists() else json.loads(self.cache_file.read_text())
+        fresh = force or not self.cache_file.exists()
+        self.cache: dict[str, Any] = {} if fresh else json.loads(self.cache_file.read_text())
         # Results are only reused for the same trainer arguments and memory cap.
         what = self.train_args if memory_cap_gib is None else [self.train_args, memory_cap_gib]
         self.fingerprint = hashlib.sha1(json.dumps(what).encode()).hexdigest()[:10]
@@ -203,10 +207,6 @@ class ProbeRunner:
         return result
 
     def _in_process(self, args: list[str], p: Point, fake: bool) -> dict[str, Any]:
-        import torch  # noqa: PLC0415
-
-        from nsa_titan.experiments.probe import run_probe  # noqa: PLC0415
-
         torch._dynamo.reset()  # a fresh model per probe: stale compiled graphs would count against recompile limits
         return run_probe(args, fake_world_size=p.gpus if p.gpus > 1 else None, warmup=self.warmup, steps=self.steps,
                          memory_cap_gib=self.memory_cap_gib)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 # NVLink multicast off in every child (see README: run_train.sh exports the same).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -27,8 +29,6 @@ QUIET_RUN = ["--metrics.val_freq", "0", "--checkpoint.enable", "false", "--metri
 
 def visible_gpus() -> int:
     """GPUs this process could use, without creating a CUDA context."""
-    import torch  # noqa: PLC0415 - keep `--help` fast
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -142,7 +142,8 @@ class Runner:
         if rc != "timeout":  # a timed-out run may succeed with more time: not cached
             (run_dir / "row.json").write_text(json.dumps(row, indent=2) + "\n")
         self.log(f"[{name}] " + (row.get("error") or f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
-                                 f"{row['step_time_s']:.3f} s/step, peak {fmt(row['peak_mem_reserved_gib'], '.1f')} GiB reserved"))
+                                 f"{row['step_time_s']:.3f} s/step, "
+                                 f"peak {fmt(row['peak_mem_reserved_gib'], '.1f')} GiB reserved"))
         return row
 
 
@@ -173,12 +174,13 @@ def environment_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def save_plot(path: Path, draw: Callable[[Any], None]) -> str | None:
     """Draw with ``draw(pyplot)`` into ``path`` (PNG); returns a note instead when matplotlib is missing."""
     try:
-        import matplotlib  # noqa: PLC0415 - optional dependency
+        import matplotlib  # noqa: PLC0415 - optional
 
         matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional
     except ImportError:
-        return f"{path.name} not written: matplotlib is not installed (pip install matplotlib, or the `plot` extra), the tables have every number"
+        return (f"{path.name} not written: matplotlib is not installed (pip install matplotlib, or the `plot` "
+                "extra), the tables have every number")
     plt.close("all")
     draw(plt)
     plt.tight_layout()

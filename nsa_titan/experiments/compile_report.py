@@ -19,8 +19,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nsa_titan.config import load_job_config
 from nsa_titan.experiments.common import (
-    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, write_report,
+    REPO,
+    Runner,
+    draw_speed_and_memory,
+    environment_of,
+    md_table,
+    pending_note,
+    write_report,
 )
 
 MFU_TARGET = 0.40
@@ -35,7 +42,8 @@ def plan_flags(path: str) -> tuple[list[str], str]:
         raise SystemExit(f"{path}: no fitting 1-GPU row to take the batch and AC ratio from")
     r = max(best, key=lambda r: r["tokens_per_s_per_gpu"])
     return (["--training.local_batch_size", str(r["local_batch"]), "--activation_checkpoint.mode", "ratio",
-             "--activation_checkpoint.ratio", str(r["ac_ratio"])], f"bs={r['local_batch']} AC={r['ac_ratio']:g} (from {path})")
+             "--activation_checkpoint.ratio", str(r["ac_ratio"])],
+            f"bs={r['local_batch']} AC={r['ac_ratio']:g} (from {path})")
 
 
 def derive(rows: list[dict[str, Any]]) -> None:
@@ -75,14 +83,16 @@ def write_compile_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: 
     stem = f"compile_{tag}"
     env = environment_of(rows)
     lines = [f"# compile on/off: {tag}", "",
-             f"{env['device']}, torch {env['torch']}, triton {env['triton']}; 1 GPU; {meta['steps']} steps, timed after "
-             f"step {meta['warmup']}; {meta.get('plan') or 'batch/AC from the config'}; trainer args {meta['train_args']}",
+             f"{env['device']}, torch {env['torch']}, triton {env['triton']}; 1 GPU; {meta['steps']} steps, "
+             f"timed after step {meta['warmup']}; {meta.get('plan') or 'batch/AC from the config'}; "
+             f"trainer args {meta['train_args']}",
              "", *md_table(rows, [("seq", "seq_len", ""), ("attention", "attn", ""),
                                   ("compile", lambda r: "on" if r["compiled"] else "off", ""),
                                   ("tok/s", "tokens_per_s", ",.0f"), ("step s", "step_time_s", ".3f"),
                                   ("MFU", "mfu", ".1%"), ("TFLOP/s", "tflops_per_gpu", ".1f"),
                                   ("peak alloc GiB", "peak_mem_gib", ".1f"),
-                                  ("reserved GiB", "peak_mem_reserved_gib", ".1f"), ("first step s", "first_step_s", ".1f"),
+                                  ("reserved GiB", "peak_mem_reserved_gib", ".1f"),
+                                  ("first step s", "first_step_s", ".1f"),
                                   ("compile s", "compile_time_s", ".1f"), ("recompiles", "recompiles", ""),
                                   ("compiled/eager", "speedup", ".2f"), ("NSA/dense", "nsa_vs_dense", ".2f"),
                                   ("error", "error", "")]),
@@ -124,8 +134,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.seq_lens:
         seqs = [int(s) for s in a.seq_lens.split(",")]
     else:
-        from nsa_titan.config import load_job_config  # noqa: PLC0415
-
         seqs = [load_job_config(["--config", a.config, *extra]).training.seq_len]
     rows = []
     for seq in seqs:

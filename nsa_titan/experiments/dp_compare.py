@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from nsa_titan.experiments.common import (
-    REPO, Runner, draw_speed_and_memory, environment_of, md_table, pending_note, visible_gpus,
+    REPO,
+    Runner,
+    draw_speed_and_memory,
+    environment_of,
+    md_table,
+    pending_note,
+    visible_gpus,
     write_report,
 )
 

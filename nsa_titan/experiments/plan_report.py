@@ -34,7 +34,8 @@ def recommendations(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def describe(r: dict[str, Any]) -> str:
-    return f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}: bs={r['local_batch']} AC={r['ac_ratio']:g} GA={r['grad_accum']}"
+    gpus = f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}"
+    return f"{gpus}: bs={r['local_batch']} AC={r['ac_ratio']:g} GA={r['grad_accum']}"
 
 
 def marks(r: dict[str, Any]) -> str:

@@ -38,17 +38,20 @@ from nsa_titan.components.runtime import (
     resolve_device,
     seed_everything,
     software_versions,
+    start_process_group,
     world_from_env,
 )
+from nsa_titan.components.train_step import full_param_shapes, train_step
 from nsa_titan.config import load_job_config
-from nsa_titan.models import build_model, get_model_args
+from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
-from nsa_titan.parallelisms import ParallelDims, full_param_shapes, parallelize_nsa, train_step
+from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
 
 def init_fake_process_group(world_size: int) -> None:
     """This process becomes rank 0 of ``world_size`` ranks whose collectives do nothing (see module docstring)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - registers backend "fake"
+    # Private testing module (may be absent from a torch build); importing it registers the backend "fake".
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - optional
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
@@ -92,10 +95,11 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
     apply_memory_cap(memory_cap_gib, device)  # before anything is allocated
     if fake:
         init_fake_process_group(world_size)
+    else:
+        start_process_group(world, device)
     seed_everything(tc.seed)
     dims = ParallelDims.from_config(world_size, cfg.parallelism)
-    args = get_model_args(cfg.model.flavor, **cfg.model.overrides())
-    args.validate(tc.seq_len)
+    args = cfg.model_args()
     result: dict[str, Any] = {"world_size": world_size, "fake_process_group": fake, "local_batch": tc.local_batch_size,
                               "grad_accum": tc.grad_accum_steps, "seq_len": tc.seq_len, "device": device_name(device),
                               "memory_cap_gib": memory_cap_gib, "oom": False, **software_versions()}

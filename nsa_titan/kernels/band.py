@@ -252,7 +252,7 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     return gp, max(1, c["rows"] // gp), c["BK"], dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -10,8 +10,6 @@ launchers (band.py, select.py, selected.py, combine.py) stay callable on their o
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 from torch.library import custom_op
@@ -48,7 +46,7 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 @custom_op("nsa_titan::nsa_fwd", mutates_args=())
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-            window: int, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+            window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                       Tensor, Tensor]:
     """-> out, block_idx, and per branch (o, lse) for the backward (cmp, slc, win). ``doc_start`` [B, T]
     int32 contiguous or None: document masking in every branch (reference.py's rules)."""
@@ -70,7 +68,7 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
 def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
             lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, cmp_block: int, cmp_stride: int, slc_block: int,
-            window: int, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+            window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                       Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums)."""

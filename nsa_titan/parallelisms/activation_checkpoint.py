@@ -16,8 +16,8 @@ Rules this module keeps, each a bug the old system had:
 from __future__ import annotations
 
 import functools
-import importlib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,10 +25,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective_op", "ratio", "memory_budget")
-
-# Attention ops whose outputs selective_op saves (recomputing attention is the expensive part).
-_ATTENTION_OP_NAMES = (
+# Ops whose outputs selective_op saves (recomputing attention is the expensive part): torch's own attention ops
+# and reduce-scatter. A model adds its own (nsa_titan.models.nsa.attention.SELECTIVE_AC_SAVE_OPS) through
+# apply_ac's ``save_op_names``; this module knows no model.
+_TORCH_SAVE_OP_NAMES = (
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",
@@ -37,8 +37,6 @@ _ATTENTION_OP_NAMES = (
     "aten._efficient_attention_forward",
     "higher_order.flex_attention",
     "_c10d_functional.reduce_scatter_tensor",
-    # The forward op registered by nsa_titan.kernels (Triton; present only where the kernels import).
-    "nsa_titan.nsa_fwd",
 )
 
 
@@ -52,14 +50,11 @@ def _resolve_op(dotted: str) -> Any | None:
     return getattr(op, "default", op)
 
 
-def selective_save_ops() -> frozenset:
-    """The ops whose outputs selective_op saves: aten.mm (every other call) plus the attention ops present."""
-    try:  # the Triton kernels register their ops on import; absent (no triton) means nothing to save
-        importlib.import_module("nsa_titan.kernels")
-    except ImportError:
-        pass
+def selective_save_ops(extra_names: Iterable[str] = ()) -> frozenset:
+    """The ops whose outputs selective_op saves: aten.mm (every other call), torch's attention ops and
+    ``extra_names`` ("namespace.op"), each where registered (a model's kernels may not import here)."""
     ops = {torch.ops.aten.mm.default}
-    ops.update(op for op in map(_resolve_op, _ATTENTION_OP_NAMES) if op is not None)
+    ops.update(op for op in map(_resolve_op, (*_TORCH_SAVE_OP_NAMES, *extra_names)) if op is not None)
     return frozenset(ops)
 
 
@@ -91,10 +86,9 @@ def _selective_context(save_ops: frozenset):
 def ratio_block_ids(n_blocks: int, ratio: float) -> list[int]:
     """Indices of the blocks that 'ratio' checkpoints: k = round(p * n) blocks, evenly spaced from block 0.
 
-    n=8: p=0 -> [], 0.25 -> [0, 4], 0.5 -> [0, 2, 4, 6], 1.0 -> all eight.
+    n=8: p=0 -> [], 0.25 -> [0, 4], 0.5 -> [0, 2, 4, 6], 1.0 -> all eight. ``ratio`` in [0, 1]: the config
+    checks it (ActivationCheckpoint.validate).
     """
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"activation_checkpoint.ratio must be in [0, 1], got {ratio}")
     k = math.floor(ratio * n_blocks + 0.5)  # round half up (Python's round() would send 2.5 to 2)
     return [i * n_blocks // k for i in range(k)] if k else []
 
@@ -106,22 +100,22 @@ def _wrap(block: nn.Module, context_fn=None) -> nn.Module:
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kwargs)
 
 
-def apply_ac(model: nn.Module, ac_config: Any) -> list[int]:
-    """Wrap ``model.layers`` blocks in place per ``ac_config.mode``; returns the checkpointed block indices.
+def apply_ac(model: nn.Module, ac_config: Any, save_op_names: Iterable[str] = ()) -> list[int]:
+    """Wrap ``model.layers`` blocks in place per ``ac_config.mode`` (the [activation_checkpoint] section, whose
+    modes the config defines and checks); returns the checkpointed block indices.
 
-    'memory_budget' wraps nothing: compile's partitioner decides what to recompute (see compile.py).
+    'none' and 'memory_budget' wrap nothing ('memory_budget': compile's partitioner decides what to recompute,
+    see compile.py). ``save_op_names``: the model's own ops whose outputs 'selective_op' saves.
     """
-    mode = ac_config.mode
-    if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
-    names = list(model.layers.keys())
-    if mode in ("none", "memory_budget"):
-        return []
+    mode, names = ac_config.mode, list(model.layers.keys())
     if mode == "ratio":
         chosen = ratio_block_ids(len(names), ac_config.ratio)
-    else:
+    elif mode in ("full", "selective_op"):
         chosen = list(range(len(names)))
-    context_fn = functools.partial(_selective_context, selective_save_ops()) if mode == "selective_op" else None
+    else:
+        return []
+    selective = mode == "selective_op"
+    context_fn = functools.partial(_selective_context, selective_save_ops(save_op_names)) if selective else None
     for i in chosen:
         model.layers[names[i]] = _wrap(model.layers[names[i]], context_fn)
     return chosen

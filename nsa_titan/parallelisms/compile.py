@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config  # the partitioner's settings (activation_memory_budget)
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule  # private, but the class torch.compile returns
+from torch._dynamo.utils import counters  # private: dynamo's process-wide compile statistics
 
 
 class _MemoryBudgetScope:
@@ -62,15 +64,11 @@ class CompileCounter:
     """
 
     def __init__(self, model: nn.Module):
-        from torch._dynamo.eval_frame import OptimizedModule  # noqa: PLC0415 - private module, on use only
-
         self.kinds = len({type(m._orig_mod) for m in model.modules() if isinstance(m, OptimizedModule)})
         self._start = self._graphs()
 
     @staticmethod
     def _graphs() -> int:
-        from torch._dynamo.utils import counters  # noqa: PLC0415 - private module, on use only
-
         return int(counters["stats"]["unique_graphs"])
 
     def graphs(self) -> int:

@@ -14,7 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 _DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp32": torch.float32})  # read-only
 
@@ -52,7 +63,8 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
     # activations are already in the compute dtype; autocast handles the rest, as with one GPU).
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[pcfg.reduce_dtype],
                               cast_forward_inputs=False)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if pcfg.fsdp_cpu_offload
+                              else OffloadPolicy())
     blocks_reshard, last_reshard = _reshard_policy(pcfg.fsdp_reshard_after_forward)
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
 
@@ -84,10 +96,6 @@ def apply_fsdp1(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
 
     FSDP1 cannot run our model-level ``init_weights`` per unit, so the model must already be materialised.
     """
-    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy  # noqa: PLC0415
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-    from torch.distributed.fsdp.wrap import CustomPolicy  # noqa: PLC0415
-
     strategy = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStrategy.SHARD_GRAD_OP,
                 "hybrid": ShardingStrategy.HYBRID_SHARD}[pcfg.fsdp1_sharding_strategy]
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
@@ -130,8 +138,6 @@ def ddp_static_graph_valid(pcfg: Any, grad_accum_steps: int) -> bool:
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, pcfg: Any, device: torch.device, grad_accum_steps: int) -> nn.Module:
     """DistributedDataParallel over every rank; the model must already be materialised (DDP broadcasts
     rank 0's parameters at construction)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

@@ -10,7 +10,6 @@ data-parallel rank is the global rank, and the mesh is
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,33 +19,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nsa_titan.config import ConfigError
 
-DATA_PARALLEL_KINDS = ("fsdp2", "fsdp1", "ddp")
-
 
 @dataclass
 class ParallelDims:
-    """Resolved, validated degrees; ``build_mesh`` creates the process group(s) once per process."""
+    """Resolved, validated degrees; ``build_mesh`` builds the device mesh over the trainer's process group."""
 
     world_size: int
     data_parallel: str
     dp_replicate: int
     dp_shard: int
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
-    # fault.collective_timeout_s: a collective that waits longer fails (NCCL aborts) instead of hanging.
-    collective_timeout_s: float | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, world_size: int, parallelism: Any, *, collective_timeout_s: float | None = None) -> ParallelDims:
-        """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not."""
-        kind = parallelism.data_parallel
-        if kind not in DATA_PARALLEL_KINDS:
-            raise ConfigError(f"parallelism.data_parallel: unknown {kind!r}; choose one of {', '.join(DATA_PARALLEL_KINDS)}")
-        if world_size < 1:
-            raise ConfigError(f"world size must be >= 1, got {world_size}")
-        rep, shard = parallelism.dp_replicate, parallelism.dp_shard
-        if rep < 1 or (shard != -1 and shard < 1):
-            raise ConfigError(f"parallelism.dp_replicate={rep} / dp_shard={shard}: replicate must be >= 1 and "
-                              "shard >= 1 or -1 (the rest of the ranks)")
+    def from_config(cls, world_size: int, parallelism: Any) -> ParallelDims:
+        """Resolve ``dp_shard = -1`` and check that the degrees multiply to ``world_size``; ConfigError if not.
+
+        ``parallelism`` is the validated [parallelism] section: its choices and ranges are checked there; here
+        only what needs the world size.
+        """
+        kind, rep, shard = parallelism.data_parallel, parallelism.dp_replicate, parallelism.dp_shard
         if kind == "ddp":
             # DDP replicates the whole model on every rank: there is nothing to shard.
             if shard not in (-1, 1) or rep not in (1, world_size):
@@ -63,8 +54,7 @@ class ParallelDims:
             raise ConfigError(f"parallelism: dp_replicate x dp_shard = {rep} x {shard} = {rep * shard} but the "
                               f"world size (torchrun --nproc_per_node x nodes) is {world_size}; make the product "
                               f"equal, e.g. --parallelism.dp_shard -1")
-        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard,
-                   collective_timeout_s=collective_timeout_s)
+        dims = cls(world_size=world_size, data_parallel=kind, dp_replicate=rep, dp_shard=shard)
         dims._check_strategy(parallelism)
         return dims
 
@@ -111,18 +101,18 @@ class ParallelDims:
         return (self.dp_shard,), ("dp_shard",)
 
     def build_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """Init the default process group (NCCL on CUDA, gloo on CPU) and the mesh; None for one rank."""
+        """The device mesh over the default process group, which the caller started (the trainer:
+        ``components.runtime.start_process_group``); None for one rank."""
         if not self.dp_enabled:
             return None
         if self.mesh is not None:
             return self.mesh
         if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            # device_id binds NCCL to this rank's GPU at once (eager init: no lazy per-collective setup).
-            timeout = None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+            raise RuntimeError(f"{self.dp_degree} data-parallel ranks need a process group: start it before "
+                               "parallelize_nsa (nsa_titan.components.runtime.start_process_group)")
         if dist.get_world_size() != self.world_size:
-            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects {self.world_size}")
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, ParallelDims expects "
+                               f"{self.world_size}")
         shape, names = self.mesh_shape()
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         return self.mesh

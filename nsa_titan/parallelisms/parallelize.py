@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nsa_titan.config import ConfigError
+from nsa_titan.models.nsa.attention import SELECTIVE_AC_SAVE_OPS
 from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids
 from nsa_titan.parallelisms.compile import apply_compile
 from nsa_titan.parallelisms.data_parallel import apply_ddp, apply_fsdp1, apply_fsdp2, resolve_param_dtype
@@ -24,8 +25,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.init_weights(buffer_device=device)
 
 
-def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
-                    device: torch.device | None = None, *, compile_backend: str = "inductor") -> nn.Module:
+def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: Any, device: torch.device, *,
+                    compile_backend: str = "inductor") -> nn.Module:
     """Make a meta-device NSA model ready to train on this rank; returns the model to call (may be a wrapper).
 
     Order, and why:
@@ -42,27 +43,20 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
        process, never more than one unit unsharded); DDP and FSDP1 need the whole model materialised before
        wrapping (DDP broadcasts it, FSDP1 flattens it and cannot run our model-level init per unit).
 
-    ``device`` defaults to ``training.device`` resolved for this process (cuda:LOCAL_RANK or cpu).
-    ``compile_backend``: see ``apply_compile`` (tests use a cheaper backend with the same partitioner).
+    ``device``: this rank's device. With several ranks the default process group must be started (the trainer
+    does it: ``components.runtime.start_process_group``). ``compile_backend``: see ``apply_compile`` (tests use
+    a cheaper backend with the same partitioner).
     """
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("parallelize_nsa expects a model built under `with torch.device('meta')`: it shards "
                          "before allocating, so no rank ever holds the full model")
-    if device is None:
-        from nsa_titan.components.runtime import resolve_device, world_from_env  # noqa: PLC0415
-
-        device = resolve_device(job_config.training.device, world_from_env().local_rank)
     ac, pc = job_config.activation_checkpoint, job_config.parallelism
-    if ac.mode == "memory_budget" and not job_config.compile.enable:
-        raise ConfigError("activation_checkpoint.mode 'memory_budget' needs --compile.enable (compile's "
-                          "partitioner applies the budget)")
-
     if job_config.compile.cudagraphs and (device.type != "cuda" or parallel_dims.dp_enabled):
         raise ConfigError("compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU without data parallelism "
                           f"(here: device {device.type}, data parallel degree {parallel_dims.dp_degree}): data "
                           "parallel hooks run between the blocks' graphs and reallocate parameters; use "
                           "compile.mode 'default' there")
-    apply_ac(model, ac)
+    apply_ac(model, ac, save_op_names=SELECTIVE_AC_SAVE_OPS)
     if job_config.compile.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None
         apply_compile(model, job_config.compile, budget, backend=compile_backend)

@@ -1,4 +1,6 @@
-from nsa_titan.models.nsa.args import MODEL_FLAVORS, NSAModelArgs, get_model_args
-from nsa_titan.models.nsa.model import NSATransformer
+"""The NSA transformer: ``args`` (settings, flavors; no torch), ``model`` (the transformer), ``attention`` (the
+modules and the choice of implementation), ``reference`` (the spec), ``torch_impl``, ``decode`` (KV cache)."""
 
-__all__ = ["MODEL_FLAVORS", "NSAModelArgs", "NSATransformer", "get_model_args"]
+from nsa_titan.models.nsa.args import MODEL_FLAVORS, NSAModelArgs, get_model_args
+
+__all__ = ["MODEL_FLAVORS", "NSAModelArgs", "get_model_args"]

@@ -3,11 +3,18 @@
 Notation follows the NSA paper (arXiv 2502.11089, section 3):
 l = ``cmp_block`` (compression block length), d = ``cmp_stride``, l' = ``slc_block``,
 n = ``slc_top_n`` (selected blocks, forced ones included), w = ``window``.
+
+This file is the one source of the model's settings: the config's ``[model]`` section is generated from
+these fields (types, choices, docstrings), and ``validate`` holds every rule. It imports no torch, so the
+config (and ``--help``) can read it cheaply.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,11 +80,12 @@ class NSAModelArgs:
         def bad(field: str, msg: str) -> ValueError:
             return ValueError(f"model.{field}: {msg}")
 
-        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
-                  "ffn_hidden_dim", "max_seq_len", "cmp_block", "cmp_stride", "slc_block",
-                  "slc_top_n", "window"):
-            if getattr(self, f) < 1:
-                raise bad(f, f"must be >= 1, got {getattr(self, f)}")
+        for name, tp in field_types().items():  # sizes are positive; which fields are sizes follows from the types
+            value = getattr(self, name)
+            if tp in (int, int | None) and value is not None and value < 1:
+                raise bad(name, f"must be >= 1, got {value}")
+            if tp is float and not value > 0:
+                raise bad(name, f"must be > 0, got {value}")
         if self.n_heads % self.n_kv_heads:
             raise bad("n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
                       f"n_kv_heads={self.n_kv_heads}; choose a divisor of n_heads")
@@ -90,18 +98,24 @@ class NSAModelArgs:
         if self.slc_top_n < 3:
             raise bad("slc_top_n", f"n={self.slc_top_n} must be >= 3: block 0 and the two local blocks "
                       "are always selected and count towards n")
-        if self.compress not in ("mlp", "mean"):
-            raise bad("compress", f"unknown {self.compress!r}; choose 'mlp' or 'mean'")
-        if self.attn_impl not in ("auto", "torch", "triton", "reference"):
-            raise bad("attn_impl", f"unknown {self.attn_impl!r}; choose 'auto', 'torch', 'triton' or 'reference'")
-        if self.attn_type not in ("nsa", "dense"):
-            raise bad("attn_type", f"unknown {self.attn_type!r}; choose 'nsa' or 'dense'")
-        if seq_len is not None:
-            if seq_len > self.max_seq_len:
-                raise bad("max_seq_len", f"training.seq_len={seq_len} exceeds max_seq_len="
-                          f"{self.max_seq_len}; raise --model.max_seq_len or lower --training.seq_len")
-            if seq_len < 1:
-                raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        for name, choices in field_choices().items():  # the Literal annotations are the choice lists
+            if getattr(self, name) not in choices:
+                raise bad(name, f"unknown {getattr(self, name)!r}; choose one of {', '.join(map(repr, choices))}")
+        if seq_len is not None and seq_len > self.max_seq_len:
+            raise bad("max_seq_len", f"training.seq_len={seq_len} exceeds max_seq_len={self.max_seq_len}; "
+                      "raise --model.max_seq_len or lower --training.seq_len")
+
+
+@functools.cache  # the annotations never change; validate() and the config read them (do not mutate)
+def field_types() -> dict[str, typing.Any]:
+    """Field name -> resolved annotation (``Literal[...]``, ``int``, ``int | None`` ...), in declaration order."""
+    hints = typing.get_type_hints(NSAModelArgs)
+    return {f.name: hints[f.name] for f in dataclasses.fields(NSAModelArgs)}
+
+
+def field_choices() -> dict[str, tuple]:
+    """The fields that take one of a fixed set of values, with those values (from their ``Literal`` type)."""
+    return {name: typing.get_args(tp) for name, tp in field_types().items() if typing.get_origin(tp) is Literal}
 
 
 def _flavors() -> dict[str, NSAModelArgs]:
@@ -139,8 +153,9 @@ MODEL_FLAVORS: dict[str, NSAModelArgs] = _flavors()
 def get_model_args(flavor: str, **overrides) -> NSAModelArgs:
     """A fresh copy of a flavor's arguments, with ``overrides`` (None values ignored) applied."""
     if flavor not in MODEL_FLAVORS:
-        raise ValueError(f"model.flavor: unknown flavor {flavor!r}; valid flavors: "
-                         f"{', '.join(sorted(MODEL_FLAVORS))}")
+        close = difflib.get_close_matches(flavor, list(MODEL_FLAVORS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"model.flavor: unknown flavor {flavor!r}{hint}; valid flavors: {', '.join(MODEL_FLAVORS)}")
     names = {f.name for f in dataclasses.fields(NSAModelArgs)}
     unknown = sorted(set(overrides) - names)
     if unknown:

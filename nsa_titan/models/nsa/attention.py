@@ -10,29 +10,37 @@ from nsa_titan.models.nsa import reference, torch_impl
 from nsa_titan.models.nsa.args import NSAModelArgs
 from nsa_titan.models.nsa.common import NSAParams
 
-NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_attention}
-
-
 # Resolved once at import: the forward must not import or try/except (it runs under torch.compile).
 try:
-    from nsa_titan.kernels import nsa_attention as _triton_nsa_attention
+    from nsa_titan.kernels import nsa_attention as _triton_nsa_attention  # also registers torch.ops.nsa_titan.*
 
     _TRITON_ERROR = None
 except ImportError as _e:  # triton missing, or no kernels for this platform
     _triton_nsa_attention, _TRITON_ERROR = None, _e
 
+# The function behind each concrete model.attn_impl (the choices themselves are NSAModelArgs.attn_impl's type).
+NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_attention, "triton": _triton_nsa_attention}
+
+# Ops of this package whose outputs selective activation checkpointing saves instead of recomputing (attention is
+# the expensive part): the Triton forward, registered when nsa_titan.kernels imports. parallelize_nsa hands them to
+# the generic AC code, which knows no model.
+SELECTIVE_AC_SAVE_OPS = ("nsa_titan.nsa_fwd",)
+
+
+def resolve_attn_impl(name: str, device: torch.device) -> str:
+    """The implementation that runs for ``model.attn_impl = name`` on ``device``: 'auto' is 'triton' on CUDA when
+    the kernels import, else 'torch'; any other name is itself ('triton' without the kernels is an error)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_nsa_attention is not None else "torch"
+    if name == "triton" and _triton_nsa_attention is None:
+        raise RuntimeError(f"model.attn_impl='triton' needs nsa_titan.kernels ({_TRITON_ERROR}); "
+                           "use --model.attn_impl torch")
+    return name
+
 
 def resolve_impl(name: str, device: torch.device):
-    """Pick the attention function; 'auto' means the Triton kernels on CUDA when they import, else torch."""
-    if name == "triton":
-        if _triton_nsa_attention is None:
-            raise RuntimeError(f"model.attn_impl='triton' needs nsa_titan.kernels ({_TRITON_ERROR}); "
-                               "use --model.attn_impl torch")
-        return _triton_nsa_attention
-    if name == "auto":
-        use_triton = device.type == "cuda" and _triton_nsa_attention is not None
-        return _triton_nsa_attention if use_triton else NSA_IMPLS["torch"]
-    return NSA_IMPLS[name]
+    """The attention function that runs for ``name`` on ``device`` (see ``resolve_attn_impl``)."""
+    return NSA_IMPLS[resolve_attn_impl(name, device)]
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +142,9 @@ class NSAAttention(nn.Module):
     def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None):
         b, t, _ = x.shape
         q, (kc, vc), (ks, vs), (kw, vw), gates = self.project(x, cos, sin)
-        impl = resolve_impl(self.impl_name, q.device)  # device type is static: resolved at trace time
+        # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device type
+        # is static, so under torch.compile this runs once, at trace time.
+        impl = resolve_impl(self.impl_name, q.device)
         out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params, doc_start=doc_start)
         diag = self.diagnostics
         if diag is not None and diag.enabled:  # a host bool (the trainer sets it on log steps): no device read

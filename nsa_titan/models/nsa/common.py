@@ -26,5 +26,5 @@ class NSAParams:
         return -(-seq_len // self.slc_block)
 
     @classmethod
-    def from_args(cls, args) -> "NSAParams":
+    def from_args(cls, args) -> NSAParams:
         return cls(args.cmp_block, args.cmp_stride, args.slc_block, args.slc_top_n, args.window)

@@ -22,11 +22,10 @@ import torch
 
 from nsa_titan.models.nsa.args import NSAModelArgs
 from nsa_titan.models.nsa.common import NSAParams
+from nsa_titan.models.nsa.model import NSATransformer
 
 
 def count_params(args: NSAModelArgs, include_embedding: bool = False) -> int:
-    from nsa_titan.models.nsa.model import NSATransformer
-
     with torch.device("meta"):
         model = NSATransformer(args)
     total = sum(p.numel() for p in model.parameters())

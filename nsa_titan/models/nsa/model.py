@@ -114,3 +114,8 @@ class NSATransformer(nn.Module):
         for block in self.layers.values():
             h = block(h, cos, sin, doc_start=doc_start)
         return self.output(self.norm(h))
+
+
+def build_model(args: NSAModelArgs) -> NSATransformer:
+    """Construct on the current default device (use ``torch.device('meta')`` to defer allocation)."""
+    return NSATransformer(args)

@@ -31,7 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from nsa_titan.components.failure import EXIT_PEER_FAILED, EXIT_WATCHDOG
+import torch.distributed as dist
+
+from nsa_titan.errors import EXIT_PEER_FAILED, EXIT_WATCHDOG
 
 FAILED_STATUSES = ("failed", "hung", "peer_failed")
 
@@ -111,12 +113,11 @@ def describe_peers(folder: Path, world_size: int, run_id: str | None, me: int) -
 
 def dump_flight_recorder(folder: Path, rank: int) -> Path | None:
     """Write the collective flight recorder's trace, when this torch build and backend have one."""
-    try:
-        import torch.distributed as dist  # noqa: PLC0415
-        from torch._C import _distributed_c10d as c10d  # noqa: PLC0415
-    except ImportError:
-        return None
     if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:  # the C++ side of torch.distributed; builds without it have no recorder
+        from torch._C import _distributed_c10d as c10d  # noqa: PLC0415 - optional
+    except ImportError:
         return None
     fn = getattr(c10d, "_dump_nccl_trace", None) if dist.get_backend() == "nccl" else None
     fn = fn or getattr(c10d, "_dump_fr_trace", None)
@@ -151,6 +152,10 @@ class Watchdog:
         self.status = "starting"
         self._last_progress = clock()
         self._stop = threading.Event()
+        # Set by the main thread once it reports a dead peer itself (its collective failed); under the lock, so
+        # that exactly one of the two reports the peer and the run ends with one message.
+        self._peer_reported = False
+        self._peer_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
 
@@ -171,6 +176,12 @@ class Watchdog:
     def progress(self) -> None:
         """Long non-step work finished (a checkpoint save, an evaluation): restart the clock."""
         self._last_progress = self._clock()
+
+    def main_thread_reports_peer(self) -> None:
+        """The training loop's collective failed and it names the dead peer itself: the thread's peer check
+        stands down (the hang check stays)."""
+        with self._peer_lock:
+            self._peer_reported = True
 
     def stop(self, status: str = "done", detail: str | None = None) -> None:
         """End the thread and leave a final heartbeat ('done', or 'failed' with the error for the peers)."""
@@ -193,9 +204,8 @@ class Watchdog:
             if self.timeout_s > 0 and now - self._last_progress > limit:
                 self._fire_hang(now - self._last_progress)
                 return
-            peer = self._dead_peer()
-            if peer is not None:
-                self._fire_peer(peer)
+            peer = None if self._peer_reported else self._dead_peer()
+            if peer is not None and self._fire_peer(peer):
                 return
 
     def _dead_peer(self) -> str | None:
@@ -230,7 +240,15 @@ class Watchdog:
         self._write_heartbeat(self.fired)
         self._exit(EXIT_WATCHDOG)
 
-    def _fire_peer(self, what: str) -> None:
+    def _fire_peer(self, what: str) -> bool:
+        """Exit naming the peer, unless the main thread reports it; True when this thread reported it."""
+        with self._peer_lock:  # held until the exit: the main thread cannot start its own report meanwhile
+            if self._peer_reported:
+                return False
+            self._exit_on_peer(what)
+            return True
+
+    def _exit_on_peer(self, what: str) -> None:
         self.fired = what
         self._say(f"[rank {self.rank}] PEER FAILURE: {what}; exiting instead of waiting in a collective")
         self.status = "peer_failed"

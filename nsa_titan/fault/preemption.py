@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C)
-EXIT_TERMINATED = 143  # SIGTERM (preemption)
+from nsa_titan.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+
 _CODES = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
 

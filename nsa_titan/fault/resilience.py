@@ -36,7 +36,8 @@ from nsa_titan.checkpoint import (
     step_dir_name,
 )
 from nsa_titan.checkpoint.folder import writable_problem
-from nsa_titan.components.failure import (
+from nsa_titan.config import ConfigError
+from nsa_titan.fault.failure import (
     NonFiniteError,
     NonFiniteGuard,
     PeerFailure,
@@ -44,9 +45,8 @@ from nsa_titan.components.failure import (
     collective_failure_hint,
     suggest_command,
 )
-from nsa_titan.components.preemption import Preempted, StopSignals
-from nsa_titan.components.watchdog import Watchdog, describe_peers, find_dead_peer
-from nsa_titan.config import ConfigError
+from nsa_titan.fault.preemption import Preempted, StopSignals
+from nsa_titan.fault.watchdog import Watchdog, describe_peers, find_dead_peer
 
 
 def shared_run_id() -> str:
@@ -219,6 +219,9 @@ class Resilience:
         is seen at once (its pid is gone); elsewhere its heartbeat must go stale, so wait a little for it."""
         if self.watchdog is None or not collective_failure_hint(error, self.world_size):
             return None
+        # From here this thread names the peer (or re-raises): the watchdog thread must not exit with its own
+        # report halfway through (both exit 5, but the user would get the report without this thread's message).
+        self.watchdog.main_thread_reports_peer()
         fc = self.cfg.fault
         deadline = time.monotonic() + min(fc.peer_timeout_s, 3 * fc.heartbeat_interval_s)
         while (peer := find_dead_peer(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank,

@@ -1,5 +1,5 @@
-"""Failures that end loudly: the non-finite loss / grad-norm guard, typed training failures with exit codes,
-and the hook object through which tests (and tools) inject faults.
+"""Failures that end loudly: the non-finite loss / grad-norm guard, the typed training failures it and the peer
+check raise (exit codes in nsa_titan/errors.py), and the hook object through which tests (and tools) inject faults.
 
 Non-finite guard, without a host sync per step
 -----------------------------------------------
@@ -33,17 +33,7 @@ from typing import Any
 
 import torch
 
-NONFINITE_POLICIES = ("stop", "skip", "off")
-EXIT_FAILURE = 1
-EXIT_NONFINITE = 3
-EXIT_WATCHDOG = 4
-EXIT_PEER_FAILED = 5
-
-
-class TrainingFailure(RuntimeError):
-    """A failure the trainer detected itself; ``python -m nsa_titan.train`` exits with ``exit_code``."""
-
-    exit_code = EXIT_FAILURE
+from nsa_titan.errors import EXIT_NONFINITE, EXIT_PEER_FAILED, TrainingFailure
 
 
 class PeerFailure(TrainingFailure):
@@ -93,8 +83,6 @@ class NonFiniteGuard:
 
     def __init__(self, policy: str, device: torch.device, *, check_every_step: bool = False, max_skips: int = 10,
                  history: int = 1, hooks: TrainHooks | None = None):
-        if policy not in NONFINITE_POLICIES:
-            raise ValueError(f"fault.nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
         self.policy, self.device = policy, device
         self.check_every_step = check_every_step
         self.max_skips = max_skips
@@ -141,7 +129,8 @@ class NonFiniteGuard:
         self._any |= bad
         self._window.append((self.step, bad))
         drop = self._any if self.policy == "stop" else bad
-        optimizer.found_inf = drop.float()  # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler)
+        # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler).
+        optimizer.found_inf = drop.float()
 
     def wants_check(self) -> bool:
         return self.enabled and self.check_every_step
