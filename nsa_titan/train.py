@@ -83,11 +83,13 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     return parallelize_nsa(model, parallel_dims, job_config, device)
 
 
-def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims) -> list[dict[str, torch.Tensor]]:
+def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims,
+                       window: int) -> list[dict[str, torch.Tensor]]:
     """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              rank=dims.dp_rank(), world_size=dims.dp_degree, seed=tc.seed, split="val")
+                              rank=dims.dp_rank(), world_size=dims.dp_degree, seed=tc.seed, split="val",
+                              window=window)
     return [next(loader) for _ in range(job_config.metrics.val_steps)]
 
 
@@ -165,15 +167,17 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     # per-rank seed would give ranks different document orders, i.e. overlapping shards.
     train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
                                     local_batch_size=tc.local_batch_size, rank=parallel_dims.dp_rank(),
-                                    world_size=parallel_dims.dp_degree, seed=tc.seed, split="train")
-    val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims) if mc.val_freq > 0 else []
+                                    world_size=parallel_dims.dp_degree, seed=tc.seed, split="train",
+                                    window=model_args.window)
+    val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims, model_args.window) if mc.val_freq > 0 else []
     retrieval_fn = retrieval_accuracy if _uses_retrieval(job_config) else None
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
 
     first_step = res.start(model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader, device=device)
     dump = Path(job_config.job.dump_folder)
     logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
-                           rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen)
+                           rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen,
+                           append=first_step > 1)
     _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
                    f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s) "
                    f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")

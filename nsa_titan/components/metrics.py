@@ -153,6 +153,7 @@ class MetricsLogger:
         print_fn: Callable[[str], None] | None = None,
         busy_warn_threshold: float = 0.9,
         tokens_seen: int = 0,
+        append: bool = False,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -181,7 +182,9 @@ class MetricsLogger:
             if metrics_cfg.jsonl_file:
                 self.jsonl_path = folder / metrics_cfg.jsonl_file
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-                self._jsonl = open(self.jsonl_path, "w", buffering=1)  # line-buffered: readable while running
+                # Line-buffered: readable while running. A resumed run appends (``append``), so the file keeps the
+                # whole run's curve; steps redone after the resume point appear twice, and readers keep the last.
+                self._jsonl = open(self.jsonl_path, "a" if append else "w", buffering=1)
             if metrics_cfg.enable_tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
@@ -200,6 +203,7 @@ class MetricsLogger:
         self._win_tokens = 0
         self._win_first_step = None
         self._win_loss: torch.Tensor | None = None
+        self._win_step_losses: list[torch.Tensor] = []  # each step's loss, read on the log step (loss curves)
         self._win_gnorm: torch.Tensor | None = None
 
     def step_start(self) -> None:
@@ -222,6 +226,7 @@ class MetricsLogger:
         self._win_tokens += num_tokens
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
         self._win_loss = loss if self._win_loss is None else self._win_loss + loss
+        self._win_step_losses.append(loss)
         self._win_gnorm = grad_norm if self._win_gnorm is None else self._win_gnorm + grad_norm
 
     def should_log(self, step: int) -> bool:
@@ -259,6 +264,7 @@ class MetricsLogger:
         # the window with the host's launch time only: a 1-step final window showed 176% MFU on an H100).
         loss = (self._win_loss / n).item()  # host sync ok: log step
         grad_norm = (self._win_gnorm / n).item()  # host sync ok: log step
+        step_losses = torch.stack(self._win_step_losses).tolist()  # host sync ok: log step
         now = self._clock()
         wall = max(now - self._win_start - self._win_excluded, 1e-9)
         busy_s = self._busy.collect()
@@ -297,6 +303,7 @@ class MetricsLogger:
             "window_steps": n,
             "window_s": wall,
             "window_tokens": self._win_tokens * self.world_size,
+            "step_losses": step_losses,  # steps step - n + 1 .. step: per-step loss curves at any log_freq
         }
         self.records.append(record)
         self._print(format_train_line(record, self.total_steps))
