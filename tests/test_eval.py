@@ -172,13 +172,13 @@ def test_retrieval_diagnostics_per_layer():
 
 
 def test_loss_curves_keep_every_step_and_the_last_of_repeats(tmp_path):
-    f = tmp_path / "m.jsonl"
-    lines = [{"type": "train", "step": 1, "loss": 5.0, "step_losses": [5.0]},
+    first = [{"type": "train", "step": 1, "loss": 5.0, "step_losses": [5.0]},
              {"type": "train", "step": 3, "loss": 4.0, "step_losses": [4.5, 3.5]},
-             {"type": "val", "step": 3, "val_loss": 4.1},
-             {"type": "train", "step": 3, "loss": 3.0, "step_losses": [3.2, 2.8]}]  # resumed at step 2
-    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    curves = report.loss_curves(f)
+             {"type": "val", "step": 3, "val_loss": 4.1}]  # an interrupted attempt, set aside by compare
+    resumed = [{"type": "train", "step": 3, "loss": 3.0, "step_losses": [3.2, 2.8]}]  # resumed at step 2
+    for name, recs in (("m.attempt-000.jsonl", first), ("m.jsonl", resumed)):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in recs))
+    curves = report.loss_curves(tmp_path / "m.jsonl")
     assert curves["train"] == [[1, 5.0], [2, 3.2], [3, 2.8]] and curves["val"] == [[3, 4.1, None]]
 
 

@@ -153,7 +153,6 @@ class MetricsLogger:
         print_fn: Callable[[str], None] | None = None,
         busy_warn_threshold: float = 0.9,
         tokens_seen: int = 0,
-        append: bool = False,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -182,9 +181,7 @@ class MetricsLogger:
             if metrics_cfg.jsonl_file:
                 self.jsonl_path = folder / metrics_cfg.jsonl_file
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-                # Line-buffered: readable while running. A resumed run appends (``append``), so the file keeps the
-                # whole run's curve; steps redone after the resume point appear twice, and readers keep the last.
-                self._jsonl = open(self.jsonl_path, "a" if append else "w", buffering=1)
+                self._jsonl = open(self.jsonl_path, "w", buffering=1)  # line-buffered: readable while running
             if metrics_cfg.enable_tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency

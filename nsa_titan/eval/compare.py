@@ -56,6 +56,10 @@ def train_variant(argv: list[str], variant: str, folder: Path) -> dict:
     if done is not None:
         print(f"compare: {variant} already trained in {folder} (train.json); skipping training", flush=True)
         return done
+    # The trainer rewrites its JSONL; keep an interrupted attempt's records for the loss curves (loss_curves).
+    jsonl = folder / load_job_config(argv).metrics.jsonl_file
+    if jsonl.is_file() and jsonl.stat().st_size:
+        jsonl.rename(jsonl.with_name(f"{jsonl.stem}.attempt-{len(list(folder.glob('*.attempt-*'))):03d}.jsonl"))
     summary = train_main([*argv, "--model.attn_type", variant, "--job.dump_folder", str(folder),
                           "--checkpoint.enable", "--checkpoint.folder", "checkpoints"])
     if summary.get("interrupted"):

@@ -16,13 +16,14 @@ COLORS = {"nsa": "tab:blue", "dense": "tab:orange"}
 def loss_curves(jsonl: Path) -> dict[str, list]:
     """{"train": [[step, loss], ...] every step, "val": [[step, val_loss, retrieval_acc or None], ...]}.
 
-    Train records carry their window's per-step losses (``step_losses``). A resumed run appends to the file, and
-    steps redone after the resume point appear twice: the last record of a step wins.
+    Train records carry their window's per-step losses (``step_losses``). Interrupted attempts' files
+    (``<stem>.attempt-NNN.jsonl``, set aside by compare before a resume) are read first; steps redone after the
+    resume point appear twice, and the last record of a step wins.
     """
     train, val = {}, {}
-    if not jsonl.is_file():
-        return {"train": [], "val": []}
-    for line in jsonl.read_text().splitlines():
+    files = [*sorted(jsonl.parent.glob(f"{jsonl.stem}.attempt-*.jsonl")), jsonl]
+    lines = [line for f in files if f.is_file() for line in f.read_text().splitlines()]
+    for line in lines:
         rec = json.loads(line)
         if rec.get("type") == "train":
             losses = rec.get("step_losses") or [rec["loss"]]
