@@ -77,12 +77,13 @@ def build_training_model(job_config: JobConfig, model_args: NSAModelArgs, device
     return parallelize_nsa(model, parallel_dims, job_config, device)
 
 
-def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims, dp_rank: int,
-                       report) -> list[dict[str, torch.Tensor]]:
+def _fixed_val_batches(job_config: JobConfig, tokenizer, dims: ParallelDims, dp_rank: int, report,
+                       window: int) -> list[dict[str, torch.Tensor]]:
     """The same ``val_steps`` batches at every evaluation, so val losses are comparable over the run."""
     tc = job_config.training
     loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len, local_batch_size=tc.local_batch_size,
-                              rank=dp_rank, world_size=dims.dp_degree, seed=tc.seed, split="val", report=report)
+                              rank=dp_rank, world_size=dims.dp_degree, seed=tc.seed, split="val", report=report,
+                              window=window)
     batches = [next(loader) for _ in range(job_config.metrics.val_steps)]
     if job_config.data.document_mask:
         batches = [add_document_inputs(b, tokenizer.eos_id, job_config.data.restart_positions) for b in batches]
@@ -153,8 +154,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     try:
         train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
                                         local_batch_size=tc.local_batch_size, rank=dp_rank,
-                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn)
-        val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn) if mc.val_freq > 0 else []
+                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn,
+                                        window=model_args.window)
+        val_batches = (_fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn, model_args.window)
+                       if mc.val_freq > 0 else [])
     except ConfigError:
         raise
     except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix

@@ -58,7 +58,8 @@ def test_defaults_match_the_documented_values():
         "lr_scheduler.min_lr_ratio": 0.1, "lr_scheduler.wsd_decay_ratio": 0.2,
         "data.dataset": "stdlib", "data.path": None, "data.tokenizer": "byte", "data.hf_split": "train",
         "data.hf_text_field": "text", "data.val_fraction": 0.01, "data.retrieval_num_pairs": 16,
-        "data.retrieval_key_len": 4, "data.retrieval_value_len": 4, "data.retrieval_mix": 0.0,
+        "data.retrieval_num_queries": 16, "data.retrieval_key_len": 1, "data.retrieval_value_len": 1,
+        "data.retrieval_min_gap": None, "data.retrieval_filler": "corpus", "data.retrieval_mix": 0.0,
         "metrics.log_freq": 10, "metrics.jsonl_file": "metrics.jsonl", "metrics.enable_tensorboard": False,
         "metrics.val_freq": 0, "metrics.val_steps": 8, "compile.enable": False, "compile.fullgraph": True,
         "job.dump_folder": "./outputs", "job.description": "", "model.flavor": "debug",
@@ -213,6 +214,8 @@ def test_config_error_is_a_value_error():
     (["--data.val_fraction", "-0.1"], "data.val_fraction"),
     (["--data.retrieval_mix", "2"], "data.retrieval_mix"),
     (["--data.retrieval_num_pairs", "0"], "data.retrieval_num_pairs"),
+    (["--data.retrieval_num_queries", "17"], "data.retrieval_num_queries"),
+    (["--data.retrieval_min_gap", "-1"], "data.retrieval_min_gap"),
     (["--data.dataset", "text_files"], "data.path"),
     (["--metrics.log_freq", "0"], "metrics.log_freq"),
     (["--metrics.val_freq", "-1"], "metrics.val_freq"),
@@ -243,6 +246,15 @@ def test_model_consistency_checked_against_seq_len():
     msg = _error(["--training.seq_len", "4096"])  # debug flavor covers 1024 positions
     assert "max_seq_len" in msg
     assert load_job_config(["--training.seq_len", "4096", "--model.max_seq_len", "4096"]).training.seq_len == 4096
+
+
+def test_retrieval_gap_must_cover_the_window():
+    # debug flavor: window 64; a shorter gap would let the sliding window answer the queries.
+    msg = _error(["--data.dataset", "retrieval", "--data.retrieval_min_gap", "63"])
+    assert "data.retrieval_min_gap=63" in msg and "model.window=64" in msg and "--data.retrieval_min_gap 64" in msg
+    cfg = load_job_config(["--data.dataset", "retrieval", "--data.retrieval_min_gap", "64"])
+    assert cfg.data.retrieval_min_gap == 64
+    assert load_job_config(["--data.retrieval_min_gap", "8"]).data.retrieval_min_gap == 8  # no retrieval: unused
 
 
 # --- help, print-config, dict --------------------------------------------------------------------

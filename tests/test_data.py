@@ -14,20 +14,20 @@ from nsa_titan.data import (
     RetrievalTask,
     build_dataloader,
     build_tokenizer,
+    query_correct,
     retrieval_accuracy,
     stdlib_documents,
     text_file_documents,
     tokenize_documents,
 )
-from nsa_titan.data.retrieval import QUERY_MARKER
 
 TOK = ByteTokenizer()
 
 
 def cfg(**kw):
     base = dict(dataset="stdlib", path=None, tokenizer="byte", hf_split="train", hf_text_field="text",
-                val_fraction=0.1, retrieval_num_pairs=4, retrieval_key_len=3, retrieval_value_len=3,
-                retrieval_mix=0.0)
+                val_fraction=0.1, retrieval_num_pairs=4, retrieval_num_queries=3, retrieval_key_len=2,
+                retrieval_value_len=2, retrieval_min_gap=8, retrieval_filler="corpus", retrieval_mix=0.0)
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -111,13 +111,9 @@ def test_hf_tokenizer_drives_loader(tmp_path, text_dir):
     assert b["input"].shape == (2, 16) and int(b["input"].max()) < tok.vocab_size
     with pytest.raises(ValueError, match="model.vocab_size"):
         build_dataloader(cfg(), TOK, seq_len=16, local_batch_size=2, vocab_size=tok.vocab_size)
-    # Retrieval with a tokenizer that has no SEP token and drops whitespace.
-    b = next(build_dataloader(cfg(dataset="retrieval", path=str(text_dir)), tok, seq_len=64, local_batch_size=2))
-    keep = b["labels"] != -100
-    n_answer = len(tok.encode("abc"))  # a value is one [UNK] word for this tokenizer
-    assert b["is_retrieval"].all() and keep.sum(1).tolist() == [n_answer] * 2
-    assert keep[:, 62 - n_answer + 1:63].all()  # answer right before the final EOS target
-    assert torch.equal(b["labels"][:, :-1][keep[:, :-1]], b["input"][:, 1:][keep[:, :-1]])
+    # Retrieval keys and values are single-character tokens: a word-level tokenizer has none, and says so.
+    with pytest.raises(ValueError, match="single-token letters"):
+        build_dataloader(cfg(dataset="retrieval", path=str(text_dir)), tok, seq_len=64, local_batch_size=2)
 
 
 # ---------------------------------------------------------------- corpora
@@ -246,56 +242,83 @@ def test_exact_resume(text_dir):
 
 # ---------------------------------------------------------------- retrieval
 
-def _parse_retrieval(tokens):
-    text = TOK.decode(tokens.tolist())
-    head, query = text.split(QUERY_MARKER)
-    pairs = dict(p.split("<sep>") for p in head.removeprefix("<bos>").split("\n")[0].split(" ; "))
-    key, value = query.removesuffix("<eos>").split("<sep>")
-    return pairs, key, value
+UPPER = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+DIGITS = set(b"0123456789")
 
 
-def test_retrieval_sample_layout():
-    task = RetrievalTask(TOK, seq_len=200, num_pairs=6, key_len=3, value_len=5, seed=11)
-    tokens, mask = task.sample(4)
-    assert tokens.shape == (201,) and mask.shape == (201,)
-    assert tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id
-    pairs, key, value = _parse_retrieval(tokens)
-    assert len(pairs) == 6 and pairs[key] == value and len(value) == 5
-    assert np.array_equal(tokens[mask], np.frombuffer(value.encode(), np.uint8))
-    assert np.flatnonzero(mask).tolist() == list(range(195, 200))  # right before EOS
-    assert np.array_equal(task.sample(4)[0], tokens)  # deterministic per index
-    assert not np.array_equal(task.sample(5)[0], tokens)
+def test_retrieval_every_answer_supervised_and_outside_the_window():
+    filler = np.frombuffer(b"Some Filler text 123 with Capitals\n" * 40, np.uint8).astype(np.uint16)
+    task = RetrievalTask(TOK, seq_len=300, num_pairs=10, num_queries=6, key_len=2, value_len=2, min_gap=40, seed=11,
+                         filler_tokens=filler, filler_eos_id=256)
+    for index in range(5):
+        tokens, mask, layout = task.sample_with_layout(index)
+        assert tokens.shape == mask.shape == (301,) and tokens[0] == TOK.bos_id
+        answers = (layout.answer_pos[:, None] + [0, 1]).ravel()
+        assert mask.sum() == 6 * 2 and np.array_equal(np.flatnonzero(mask), answers)
+        query_start = layout.answer_pos[0] - 2
+        context = tokens[:query_start].tolist()
+        # The filler's capitals and digits were replaced: keys and values occur only in the 10 pairs.
+        assert sum(t in UPPER for t in context) == 10 * 2 and sum(t in DIGITS for t in context) == 10 * 2
+        for a, p in zip(layout.answer_pos, layout.pair_value_pos):
+            key = tokens[a - 2:a].tolist()
+            hits = [i for i in range(query_start - 1) if context[i:i + 2] == key]
+            assert hits == [p - 2]  # the key occurs once in the context: the answer is determined
+            assert np.array_equal(tokens[a:a + 2], tokens[p:p + 2]) and set(tokens[a:a + 2].tolist()) <= DIGITS
+            assert a - (p + 1) > 40  # the pair's last token is more than min_gap tokens before the answer
+        assert len({tuple(tokens[a - 2:a]) for a in layout.answer_pos}) == 6  # each query asks a different pair
+        assert 0 <= layout.depth.min() and layout.depth.max() <= 1
+
+
+def test_retrieval_deterministic_by_seed_index_and_stream():
+    make = lambda seed=0, stream=0: RetrievalTask(TOK, 200, num_pairs=8, num_queries=8, min_gap=16, seed=seed,  # noqa: E731
+                                                  stream=stream)
+    a = make().sample(3)[0]
+    assert np.array_equal(make().sample(3)[0], a)
+    for other in (make().sample(4)[0], make(seed=1).sample(3)[0], make(stream=1).sample(3)[0]):
+        assert not np.array_equal(other, a)
+
+
+def test_retrieval_shape_errors():
+    with pytest.raises(ValueError, match=r"needs 41 tokens.*seq_len \+ 1 = 40; raise training.seq_len"):
+        RetrievalTask(TOK, 39, num_pairs=4, num_queries=4, key_len=2, value_len=2, min_gap=8)
+    with pytest.raises(ValueError, match="num_queries=5 > data.retrieval_num_pairs=4"):
+        RetrievalTask(TOK, 200, num_pairs=4, num_queries=5)
+    with pytest.raises(ValueError, match="raise retrieval_key_len"):
+        RetrievalTask(TOK, 400, num_pairs=27, num_queries=4, key_len=1)
 
 
 def test_retrieval_loader_labels(text_dir):
-    loader = build_dataloader(cfg(dataset="retrieval", path=str(text_dir), retrieval_num_pairs=5), TOK,
-                              seq_len=128, local_batch_size=3)
-    b = next(loader)
+    c = cfg(dataset="retrieval", path=str(text_dir), retrieval_num_pairs=5, retrieval_min_gap=None)
+    with pytest.raises(ValueError, match="retrieval_min_gap is None"):
+        build_dataloader(c, TOK, seq_len=128, local_batch_size=3)
+    b = next(build_dataloader(c, TOK, seq_len=128, local_batch_size=3, window=20))
     assert b["is_retrieval"].all() and b["input"].shape == (3, 128)
     for inp, lab in zip(b["input"], b["labels"]):
         keep = lab != -100
-        assert keep.sum() == 3 and torch.equal(lab[:-1][~keep[:-1]], torch.full_like(lab[:-1][~keep[:-1]], -100))
-        pairs, key, value = _parse_retrieval(torch.cat([inp, torch.tensor([TOK.eos_id])]).numpy())
-        assert bytes(lab[keep].tolist()).decode() == value == pairs[key]
+        assert keep.sum() == 3 * 2  # every value token of every query, nothing else
+        assert torch.equal(lab[:-1][keep[:-1]], inp[1:][keep[:-1]])
+        assert set(bytes(lab[keep].tolist())) <= DIGITS
         assert "file" in TOK.decode(inp.tolist())  # filler comes from the corpus
-    with pytest.raises(ValueError, match="retrieval_num_pairs"):
-        build_dataloader(cfg(dataset="retrieval", retrieval_num_pairs=50), TOK, seq_len=64, local_batch_size=1)
 
 
-def test_retrieval_accuracy_hand_made():
-    labels = torch.full((3, 4), -100)
-    labels[0, 2:] = torch.tensor([5, 6])
-    labels[1, 2:] = torch.tensor([7, 8])
-    labels[2] = torch.tensor([1, 2, 3, 4])  # a packed-text row: not a retrieval sample
-    logits = torch.zeros(3, 4, 10)
-    logits[0, 2, 5] = logits[0, 3, 6] = 1.0  # row 0 right on both answer tokens
-    logits[1, 2, 7] = logits[1, 3, 9] = 1.0  # row 1 wrong on its second answer token
+def test_retrieval_accuracy_counts_each_query():
+    labels = torch.full((3, 8), -100)
+    labels[0, [2, 3, 5, 6]] = torch.tensor([5, 6, 7, 8])  # two queries of two answer tokens
+    labels[1, [4, 7]] = torch.tensor([1, 2])  # two one-token queries
+    labels[2] = torch.arange(8)  # a packed-text row: not a retrieval sample
+    logits = torch.zeros(3, 8, 10)
+    logits[0, 2, 5] = logits[0, 3, 6] = 1.0  # first query right
+    logits[0, 5, 7] = logits[0, 6, 9] = 1.0  # second query wrong on its second token
+    logits[1, 4, 1] = logits[1, 7, 2] = 1.0  # both right
     correct, total = retrieval_accuracy(logits, labels)
-    assert isinstance(correct, torch.Tensor) and (correct.item(), total.item()) == (1, 2)
-    logits[1, 3, 8] = 2.0
-    assert [t.item() for t in retrieval_accuracy(logits, labels)] == [2, 2]
-    flags = torch.tensor([True, False, False])
-    assert [t.item() for t in retrieval_accuracy(logits, labels, flags)] == [1, 1]
+    assert isinstance(correct, torch.Tensor) and (correct.item(), total.item()) == (3, 4)
+    ends, right = query_correct(logits, labels)
+    assert ends[0].nonzero().flatten().tolist() == [3, 6] and right[0].nonzero().flatten().tolist() == [3]
+    logits[0, 6, 8] = 2.0
+    assert [t.item() for t in retrieval_accuracy(logits, labels)] == [4, 4]
+    logits[0, 2, 9] = 2.0  # a wrong first token fails its own query only
+    assert [t.item() for t in retrieval_accuracy(logits, labels)] == [3, 4]
+    assert [t.item() for t in retrieval_accuracy(logits, labels, torch.tensor([False, True, False]))] == [2, 2]
 
 
 # ---------------------------------------------------------------- HF datasets (faked module)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from nsa_titan.data import ByteTokenizer, RetrievalTask
-from nsa_titan.eval import compare, needle, perplexity
+from nsa_titan.eval import compare, needle, perplexity, retrieval_diagnostics
+from nsa_titan.eval import compare_report as report
 from nsa_titan.eval.weights import load_weights, read_safetensors, saved_model_args, write_safetensors
 from nsa_titan.generate import generate, sample_next
 from nsa_titan.generate import main as generate_main
@@ -107,54 +108,79 @@ def test_generate_cli_loads_checkpoint_and_is_seeded(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_needle_depth0_is_the_training_sample_and_depth_moves_the_pair():
-    tok = ByteTokenizer()
-    filler = np.frombuffer(b"some filler text\n" * 50, np.uint8).astype(np.uint16)
-    for kw in ({}, {"filler_tokens": filler, "filler_eos_id": 256}):
-        task = needle.NeedleTask(tok, 512, seed=3, **kw)
-        ref = RetrievalTask(tok, 512, seed=3, stream=needle.NEEDLE_STREAM, **kw)
-        for i in range(3):
-            tokens, mask, _ = task.sample(i, 0.0)
-            ref_tokens, ref_mask = ref.sample(i)
-            assert np.array_equal(tokens, ref_tokens) and np.array_equal(mask, ref_mask)
-    task = needle.NeedleTask(tok, 1024, seed=0)
-    positions = []
-    for depth in (0.0, 0.5, 1.0):
-        tokens, mask, pos = task.sample(7, depth)
-        answer = tokens[mask]
-        key = tokens[np.flatnonzero(mask)[0] - 5: np.flatnonzero(mask)[0] - 1]  # QUERY key SEP value
-        assert len(tokens) == 1025 and np.array_equal(tokens[pos: pos + 4], key)
-        assert np.array_equal(tokens[pos + 5: pos + 9], answer)
-        positions.append(pos)
-    assert positions[0] < 200 and abs(positions[1] - 512) < 20 and positions[2] > 800
+def test_needle_bins_queries_by_depth_and_scales_only_the_filler():
+    kw = dict(num_pairs=6, num_queries=6, key_len=1, value_len=2, min_gap=24)
+    short, long = (RetrievalTask(ByteTokenizer(), n, stream=needle.NEEDLE_STREAM, **kw) for n in (128, 512))
+    _, labels, depth = needle.draw_batch(long, [0, 1])
+    assert labels.shape == (2, 512) and depth.shape == (2, 6) and ((labels != -100).sum(1) == 12).all()
+    assert needle.depth_bin_of(np.array([0.0, 0.24, 0.25, 0.99, 1.0]), 4).tolist() == [0, 0, 1, 3, 3]
+    # Longer contexts keep the pairs and queries and push the pairs further from their queries.
+    gap = lambda task: np.mean([(lay.answer_pos - lay.pair_value_pos).mean()  # noqa: E731
+                                for lay in (task.sample_with_layout(i)[2] for i in range(8))])
+    assert gap(long) > 2 * gap(short)
 
 
 class _Oracle(nn.Module):
-    """Predicts the true next token of the needle samples it was given (or always token 0)."""
+    """Predicts the true next token of the samples it was given, except at the answers of the queries whose
+    depth bin is in ``wrong_bins`` (there it predicts token 0)."""
 
-    def __init__(self, samples, right=True):
+    def __init__(self, task, n, wrong_bins=()):
         super().__init__()
-        self.next = {tuple(s[:-1].tolist()): s[1:] for s in samples}
-        self.right = right
+        self.next = {}
+        for i in range(n):
+            tokens, _, lay = task.sample_with_layout(i)
+            nxt = torch.as_tensor(tokens[1:]).clone()
+            for a, b in zip(lay.answer_pos, needle.depth_bin_of(lay.depth, 2)):
+                if b in wrong_bins:
+                    nxt[a - 1] = 0
+            self.next[tuple(tokens[:-1].tolist())] = nxt
 
     def forward(self, tokens):
-        nxt = torch.stack([torch.as_tensor(self.next[tuple(t.tolist())]) for t in tokens])
-        return torch.nn.functional.one_hot(nxt if self.right else torch.zeros_like(nxt), 260).float()
+        return torch.nn.functional.one_hot(torch.stack([self.next[tuple(t.tolist())] for t in tokens]), 260).float()
 
 
-def test_needle_eval_counts_correct_samples():
+def test_needle_eval_counts_correct_queries_per_depth_bin():
     tok = ByteTokenizer()
-    samples = [needle.NeedleTask(tok, n).sample(i, d)[0] for n in (256, 512) for d in (0.0, 1.0) for i in range(3)]
-    kw = dict(lengths=[256, 512], depths=[0.0, 1.0], samples=3, device=torch.device("cpu"), batch_size=2,
-              log=lambda _: None)
-    right = needle.evaluate_needle(_Oracle(samples), tok, **kw)
-    wrong = needle.evaluate_needle(_Oracle(samples, right=False), tok, **kw)
-    assert [r["accuracy"] for r in right] == [1.0] * 4 and [r["accuracy"] for r in wrong] == [0.0] * 4
-    table = needle.accuracy_table(right, "nsa")
-    assert "| 512 | 100.0 | 100.0 | 100.0 |" in table
-    targets = compare.check_targets({"nsa": {"rows": [{**r, "context_len": 8192} for r in right]},
-                                     "dense": {"rows": [{**r, "context_len": 8192} for r in wrong]}})
-    assert targets["nsa_8k_ge_dense"] is True and targets["nsa_32k_ge_99pct"] is None
+    kw = dict(num_pairs=8, num_queries=8, key_len=1, value_len=1, min_gap=16)
+    task = RetrievalTask(tok, 128, stream=needle.NEEDLE_STREAM, **kw)
+    run = lambda model: needle.evaluate_needle(model, tok, lengths=[128], depth_bins=2, samples=3,  # noqa: E731
+                                               device=torch.device("cpu"), batch_size=2, task_kwargs=kw,
+                                               log=lambda _: None)
+    right, half = run(_Oracle(task, 3)), run(_Oracle(task, 3, wrong_bins=(1,)))
+    assert [r["accuracy"] for r in right] == [1.0, 1.0] and sum(r["queries"] for r in right) == 3 * 8
+    assert [r["accuracy"] for r in half] == [1.0, 0.0]
+    by_len = needle.accuracy_by_length(half)[128]
+    assert abs(by_len - half[0]["queries"] / 24) < 1e-9
+    assert "| 128 | 100.0 | 0.0 |" in needle.accuracy_table(half, "nsa")
+    results = {"nsa": {"accuracy_by_length": {"128": 0.97, "256": 0.5}},
+               "dense": {"accuracy_by_length": {128: 0.98, 256: 0.6}}}
+    targets = report.check_targets("retrieval", results, 128)
+    assert targets["dense_ge_95pct_at_train_len"] and targets["nsa_ge_dense_minus_2pts_at_train_len"]
+    assert targets["nsa_ge_dense_at_2x"] is False and targets["nsa_ge_dense_at_8x"] is None
+
+
+def test_retrieval_diagnostics_per_layer():
+    tok = ByteTokenizer()
+    task = RetrievalTask(tok, 192, num_pairs=8, num_queries=8, min_gap=24, stream=needle.NEEDLE_STREAM)
+    diag = retrieval_diagnostics.retrieval_diagnostics(tiny_model(), task, samples=2, device=torch.device("cpu"))
+    assert len(diag["layers"]) == 2 and diag["pair_distance_blocks"] > 24 / 16
+    for layer in diag["layers"]:
+        assert abs(sum(layer["output_share"]) - 1) < 1e-4 and abs(sum(layer["slc_distance_hist"]) - 1) < 1e-4
+        assert 0 <= layer["pair_block_hit"] <= 1
+    assert 0 < diag["pair_block_hit_chance"] <= 1
+    assert retrieval_diagnostics.retrieval_diagnostics(tiny_model(attn_type="dense"), task, samples=1,
+                                                       device=torch.device("cpu")) is None
+
+
+def test_loss_curves_keep_every_step_and_the_last_of_repeats(tmp_path):
+    first = [{"type": "train", "step": 1, "loss": 5.0, "step_losses": [5.0]},
+             {"type": "train", "step": 3, "loss": 4.0, "step_losses": [4.5, 3.5]},
+             {"type": "val", "step": 3, "val_loss": 4.1}]  # an interrupted attempt, set aside by compare
+    resumed = [{"type": "train", "step": 3, "loss": 3.0, "step_losses": [3.2, 2.8]}]  # resumed at step 2
+    for name, recs in (("m.attempt-000.jsonl", first), ("m.jsonl", resumed)):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in recs))
+    curves = report.loss_curves(tmp_path / "m.jsonl")
+    assert curves["train"] == [[1, 5.0], [2, 3.2], [3, 2.8]] and curves["val"] == [[3, 4.1, None]]
 
 
 class _Uniform(nn.Module):
@@ -171,16 +197,27 @@ def test_perplexity_of_uniform_model_is_vocab_size():
     assert math.isclose(res["ppl"], 260, rel_tol=1e-6)
 
 
-def test_gpu_scripts_smoke_run_on_cpu(tmp_path):
-    out = compare.main([*TINY_FLAGS, "--model.n_layers", "1", "--data.dataset", "retrieval", "--training.seq_len",
-                        "256", "--training.steps", "2", "--training.local_batch_size", "1",
-                        "--lr_scheduler.warmup_steps", "1", "--training.device", "cpu",
-                        "--job.dump_folder", str(tmp_path / "dump"),
-                        "--lengths", "256", "--depths", "0,1", "--samples", "1", "--out", str(tmp_path), "--tag", "t"])
+def test_gpu_scripts_smoke_run_on_cpu(tmp_path, monkeypatch):
+    argv = [*TINY_FLAGS, "--model.n_layers", "1", "--training.seq_len", "128", "--training.steps", "3",
+            "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "1", "--training.device", "cpu",
+            "--metrics.log_freq", "2", "--data.retrieval_num_pairs", "6", "--data.retrieval_num_queries", "6",
+            "--data.retrieval_filler", "letters", "--job.dump_folder", str(tmp_path / "dump"), "--lengths", "128,256",
+            "--samples", "1", "--diag-samples", "1", "--out", str(tmp_path), "--tag", "t"]
+    out = compare.main(argv)
     assert set(out["results"]) == {"nsa", "dense"} and (tmp_path / "t.md").is_file()
     # Trained by the trainer into DCP checkpoints, evaluated from them (args from the checkpoint's marker).
-    assert out["results"]["nsa"]["checkpoint"].endswith("compare-t/nsa/checkpoints/step-00000002")
-    assert out["results"]["dense"]["steps"] == 2
+    nsa = out["results"]["nsa"]
+    assert nsa["checkpoint"].endswith("compare-t/nsa/checkpoints/step-00000003") and nsa["steps"] == 3
+    assert [s for s, _ in nsa["curves"]["train"]] == [1, 2, 3]  # every step, though logged every 2
+    assert set(nsa["accuracy_by_length"]) == {128, 256} and len(nsa["diagnostics"]["layers"]) == 1
+    assert out["results"]["dense"]["diagnostics"] is None and "pair block selected" in (tmp_path / "t.md").read_text()
+    # Resumable: a rerun trains and evaluates nothing again; other settings in the same folder are refused.
+    monkeypatch.setattr(compare, "train_main", lambda *a: pytest.fail("trained again"))
+    monkeypatch.setattr(compare, "evaluate_needle", lambda *a, **k: pytest.fail("evaluated again"))
+    assert compare.main(argv)["results"]["nsa"]["accuracy_by_length"] == {"128": nsa["accuracy_by_length"][128],
+                                                                          "256": nsa["accuracy_by_length"][256]}
+    with pytest.raises(ValueError, match="other settings.*another --tag"):
+        compare.main([*argv, "--training.seed", "1"])
     spec = importlib.util.spec_from_file_location("bench_decode", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -156,6 +156,9 @@ class NSADiagnostics:
     def __init__(self, num_positions: int = 64):
         self.enabled = False
         self.num_positions = num_positions
+        # Query positions (of sequence 0) for the output shares; None: ``num_positions`` evenly spaced ones. Set
+        # by evaluations that care about particular tokens (e.g. retrieval answers: eval/retrieval_diagnostics.py).
+        self.positions: torch.Tensor | None = None
         self._modules: list[nn.Module] = []
         self._layout: list[tuple[str, int]] = []
         self._fresh = False  # a collecting(True) context ran since the last read
@@ -198,7 +201,8 @@ class NSADiagnostics:
         # fp32 statistics: the training forward runs under bf16 autocast, which would also cast these matmuls.
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
             block_idx = block_indices(blocks.detach(), params.slc_top_n)
-            pos = sample_positions(q.shape[1], self.num_positions, q.device)
+            pos = self.positions if self.positions is not None else sample_positions(q.shape[1], self.num_positions,
+                                                                                     q.device)
             branch_out = sampled_branch_outputs(q, kv_cmp, kv_slc, kv_win, block_idx, params, pos)
             stats = {**gate_stats(gates), "output_share": output_shares(branch_out, gates[0, pos]),
                      **selection_stats(block_idx, params.slc_block)}

@@ -218,6 +218,7 @@ class MetricsLogger:
         self._win_tokens = 0
         self._win_first_step = None
         self._win_loss: torch.Tensor | None = None
+        self._win_step_losses: list[torch.Tensor] = []  # each step's loss, read on the log step (loss curves)
         self._win_gnorm: torch.Tensor | None = None
 
     def step_start(self) -> None:
@@ -240,6 +241,7 @@ class MetricsLogger:
         self._win_tokens += num_tokens
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
         self._win_loss = loss if self._win_loss is None else self._win_loss + loss
+        self._win_step_losses.append(loss)
         self._win_gnorm = grad_norm if self._win_gnorm is None else self._win_gnorm + grad_norm
 
     def should_log(self, step: int) -> bool:
@@ -277,6 +279,7 @@ class MetricsLogger:
         # the window with the host's launch time only: a 1-step final window showed 176% MFU on an H100).
         loss = (self._win_loss / n).item()  # host sync ok: log step
         grad_norm = (self._win_gnorm / n).item()  # host sync ok: log step
+        step_losses = torch.stack(self._win_step_losses).tolist()  # host sync ok: log step
         now = self._clock()
         wall = max(now - self._win_start - self._win_excluded, 1e-9)
         busy_s = self._busy.collect()
@@ -315,6 +318,7 @@ class MetricsLogger:
             "window_steps": n,
             "window_s": wall,
             "window_tokens": self._win_tokens * self.world_size,
+            "step_losses": step_losses,  # steps step - n + 1 .. step: per-step loss curves at any log_freq
         }
         self.records.append(record)
         self._print(format_train_line(record, self.total_steps))

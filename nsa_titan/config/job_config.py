@@ -174,11 +174,23 @@ class Data:
     val_fraction: float = 0.01
     """Fraction of the corpus held out for validation, in [0, 1)."""
     retrieval_num_pairs: int = 16
-    """Retrieval task: key-value pairs listed in each sample before the query."""
-    retrieval_key_len: int = 4
-    """Retrieval task: tokens per key."""
-    retrieval_value_len: int = 4
-    """Retrieval task: tokens per value."""
+    """Retrieval task (multi-query associative recall, nsa_titan/data/retrieval.py): key-value pairs placed at
+    random between distractor text in each sample."""
+    retrieval_num_queries: int = 16
+    """Retrieval task: queries at the end of each sample, each asking for a different pair (<= num_pairs); every
+    value token of every query is supervised."""
+    retrieval_key_len: int = 1
+    """Retrieval task: tokens per key (uppercase letters; keys are unique within a sample, so 26^key_len must be
+    >= num_pairs). One token is the easiest to learn: longer keys need the model to match several tokens."""
+    retrieval_value_len: int = 1
+    """Retrieval task: tokens per value (digits); each is a supervised answer token of every query."""
+    retrieval_min_gap: int | None = None
+    """Retrieval task: distractor tokens at least between the last pair and the first query. None: the model's
+    sliding window (model.window), so that no queried pair is inside a query's window; smaller values are
+    refused for that reason."""
+    retrieval_filler: Literal["corpus", "letters"] = "corpus"
+    """Retrieval task: distractor text between the pairs: 'corpus' (the text of data.path when set, else the
+    embedded stdlib corpus; same split as the samples) or 'letters' (random letters and spaces)."""
     retrieval_mix: float = 0.0
     """Fraction of training sequences that are retrieval samples when the dataset is a text corpus
     (dataset 'retrieval' is all retrieval)."""
@@ -204,9 +216,14 @@ class Data:
         _check(bool(self.tokenizer), "data.tokenizer", "must not be empty; use 'byte' or a tokenizer.json path")
         _check(0 <= self.val_fraction < 1, "data.val_fraction",
                f"must be in [0, 1), got {self.val_fraction}; e.g. --data.val_fraction 0.01")
-        for name in ("retrieval_num_pairs", "retrieval_key_len", "retrieval_value_len"):
+        for name in ("retrieval_num_pairs", "retrieval_num_queries", "retrieval_key_len", "retrieval_value_len"):
             value = getattr(self, name)
             _check(value >= 1, f"data.{name}", f"must be >= 1, got {value}")
+        _check(self.retrieval_num_queries <= self.retrieval_num_pairs, "data.retrieval_num_queries",
+               f"must be <= data.retrieval_num_pairs={self.retrieval_num_pairs} (each query asks for a different "
+               f"pair), got {self.retrieval_num_queries}; lower it or raise retrieval_num_pairs")
+        _check(self.retrieval_min_gap is None or self.retrieval_min_gap >= 0, "data.retrieval_min_gap",
+               f"must be >= 0 or None (the model's window), got {self.retrieval_min_gap}")
         _check(0 <= self.retrieval_mix <= 1, "data.retrieval_mix", f"must be in [0, 1], got {self.retrieval_mix}")
         _check(self.document_mask or not self.restart_positions, "data.restart_positions",
                "restarts positions at document starts, which needs --data.document_mask")
@@ -287,7 +304,14 @@ class JobConfig:
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
                               "add --compile.enable or choose another mode (full, selective_op, ratio)")
-        self.model_args()
+        model_args = self.model_args()
+        gap = self.data.retrieval_min_gap
+        uses_retrieval = self.data.dataset == "retrieval" or self.data.retrieval_mix > 0
+        if uses_retrieval and gap is not None and gap < model_args.window:
+            raise ConfigError(f"data.retrieval_min_gap={gap} is shorter than model.window={model_args.window}: queried "
+                              "pairs could sit inside a query's sliding window, which would answer them without "
+                              f"long-range attention; pass --data.retrieval_min_gap {model_args.window} or more, or "
+                              "drop it (None: the window)")
 
     def model_args(self) -> NSAModelArgs:
         """The model this config describes: ``[model] flavor`` with the other ``[model]`` keys applied, checked by

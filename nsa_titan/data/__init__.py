@@ -9,7 +9,7 @@ packing loader. Typical use::
 from .build import DATASETS, build_dataloader
 from .corpus import TokenCorpus, hf_documents, stdlib_documents, text_file_documents, tokenize_documents
 from .loader import PackedTextDataset, StatefulLoader, StreamingPackedDataset
-from .retrieval import IGNORE_INDEX, RetrievalTask, retrieval_accuracy
+from .retrieval import IGNORE_INDEX, RetrievalLayout, RetrievalTask, query_correct, retrieval_accuracy
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "PackedTextDataset",
+    "RetrievalLayout",
     "RetrievalTask",
     "StatefulLoader",
     "StreamingPackedDataset",
@@ -25,6 +26,7 @@ __all__ = [
     "build_dataloader",
     "build_tokenizer",
     "hf_documents",
+    "query_correct",
     "retrieval_accuracy",
     "stdlib_documents",
     "text_file_documents",

@@ -13,7 +13,7 @@ from .corpus import hf_documents, stdlib_documents, text_file_documents, tokeniz
 from .loader import PackedTextDataset, StatefulLoader, StreamingPackedDataset
 from .retrieval import RetrievalTask
 
-__all__ = ["DATASETS", "DATA_DEFAULTS", "build_dataloader"]
+__all__ = ["DATASETS", "DATA_DEFAULTS", "build_dataloader", "retrieval_task_kwargs"]
 
 DATASETS = ("stdlib", "retrieval", "text_files", "hf")
 
@@ -26,8 +26,11 @@ DATA_DEFAULTS = types.MappingProxyType({
     "hf_text_field": "text",
     "val_fraction": 0.01,
     "retrieval_num_pairs": 16,
-    "retrieval_key_len": 4,
-    "retrieval_value_len": 4,
+    "retrieval_num_queries": 16,
+    "retrieval_key_len": 1,
+    "retrieval_value_len": 1,
+    "retrieval_min_gap": None,
+    "retrieval_filler": "corpus",
     "retrieval_mix": 0.0,
     "on_error": "skip",
 })
@@ -39,13 +42,15 @@ def _cfg(data_cfg, name):
 
 def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int, rank: int = 0,
                      world_size: int = 1, seed: int = 42, split: str = "train",
-                     vocab_size: int | None = None, pin_memory: bool | None = None, report=None) -> StatefulLoader:
+                     vocab_size: int | None = None, pin_memory: bool | None = None, report=None,
+                     window: int | None = None) -> StatefulLoader:
     """Loader for this rank's shard of ``split`` ("train" or "val").
 
     Both splits are infinite: train reshuffles documents every epoch; val is read in a
     fixed order and cycles (call ``loader.reset()`` or build a fresh loader to evaluate
     the same batches each time). ``vocab_size`` (the model's) is checked against the
     tokenizer when given. ``report``: where warnings about skipped files go (default: warnings.warn).
+    ``window`` (the model's sliding window) is the retrieval task's gap when ``data.retrieval_min_gap`` is None.
     Corpus text is read and tokenized here, once, and kept by the returned loader.
     """
     dataset = _cfg(data_cfg, "dataset")
@@ -77,13 +82,13 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
 
     text = None
     filler = None
-    if dataset == "stdlib":
-        corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
-    elif dataset == "text_files" or (dataset == "retrieval" and path):
+    uses_retrieval = dataset == "retrieval" or mix > 0.0
+    corpus = None
+    if dataset == "text_files" or (dataset == "retrieval" and path):
         corpus = tokenize_documents(text_file_documents(path, split, val_fraction, on_error=_cfg(data_cfg, "on_error"),
                                                         report=report), tokenizer)
-    else:
-        corpus = None
+    elif dataset == "stdlib" or (dataset == "retrieval" and _cfg(data_cfg, "retrieval_filler") == "corpus"):
+        corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
     if dataset == "hf":
         factory = functools.partial(_hf_epoch_docs, path, _cfg(data_cfg, "hf_split"),
                                     _cfg(data_cfg, "hf_text_field"), split, val_fraction, seed)
@@ -91,22 +96,32 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     elif dataset != "retrieval":
         text = PackedTextDataset(corpus, seq_len, rank=rank, world_size=world_size, seed=seed,
                                  shuffle=(split == "train"))
-    if corpus is not None:
+    if corpus is not None and _cfg(data_cfg, "retrieval_filler") == "corpus":
         filler = corpus.tokens  # retrieval filler is real text when we have it
 
     retrieval = None
-    if dataset == "retrieval" or mix > 0.0:
-        retrieval = RetrievalTask(
-            tokenizer, seq_len,
-            num_pairs=int(_cfg(data_cfg, "retrieval_num_pairs")),
-            key_len=int(_cfg(data_cfg, "retrieval_key_len")),
-            value_len=int(_cfg(data_cfg, "retrieval_value_len")),
-            seed=seed, stream=1 if split == "val" else 0,
-            filler_tokens=filler, filler_eos_id=None if corpus is None else corpus.eos_id,
-        )
-        retrieval.sample(0)  # fail now, not mid-training, if the layout cannot fit seq_len
+    if uses_retrieval:
+        # Raises now, not mid-training, if the layout cannot fit seq_len.
+        retrieval = RetrievalTask(tokenizer, seq_len, **retrieval_task_kwargs(data_cfg, window), seed=seed,
+                                  stream=1 if split == "val" else 0, filler_tokens=filler,
+                                  filler_eos_id=None if corpus is None else corpus.eos_id)
     return StatefulLoader(text, retrieval, seq_len=seq_len, batch_size=local_batch_size, retrieval_mix=mix,
                           seed=seed, rank=rank, world_size=world_size, split=split, pin_memory=pin_memory)
+
+
+def retrieval_task_kwargs(data_cfg, window: int | None) -> dict:
+    """RetrievalTask's shape arguments from the ``[data]`` section; ``window``: the model's, the gap's default."""
+    gap = _cfg(data_cfg, "retrieval_min_gap")
+    if gap is None:
+        if window is None:
+            raise ValueError("data.retrieval_min_gap is None (= the model's window) but no window was given; "
+                             "pass build_dataloader(..., window=model_args.window) or set data.retrieval_min_gap")
+        gap = window
+    return {"num_pairs": int(_cfg(data_cfg, "retrieval_num_pairs")),
+            "num_queries": int(_cfg(data_cfg, "retrieval_num_queries")),
+            "key_len": int(_cfg(data_cfg, "retrieval_key_len")),
+            "value_len": int(_cfg(data_cfg, "retrieval_value_len")),
+            "min_gap": int(gap)}
 
 
 def _hf_epoch_docs(path, hf_split, text_field, split, val_fraction, seed, epoch):

@@ -1,104 +1,117 @@
-"""Synthetic long-range key-value retrieval task.
+"""Synthetic long-range retrieval: multi-query associative recall (MQAR) over distractor text.
 
-Layout of one sample (exactly ``seq_len + 1`` tokens)::
+Layout of one sample (exactly ``seq_len + 1`` tokens; K = key tokens, v = value tokens)::
 
-    [BOS] k1 SEP v1 ; k2 SEP v2 ; ... kN SEP vN \\n  <filler ...>  \\nQUERY ki SEP vi [EOS]
+    [BOS] filler K1 v1 filler K2 v2 ... filler KN vN filler (>= min_gap tokens) Ka va Kb vb ... Kz vz
+          '--------------- pair region ---------------'                         '-- M queries --'
 
-All pairs sit at the start and the query at the very end, so answering needs attention
-across (almost) the whole sequence -- exactly what NSA's compressed/selected branches
-must deliver and a sliding window alone cannot. Only the answer tokens ``vi`` carry
-labels; everything else is -100, so the loss measures retrieval and nothing else.
+N key-value pairs sit at random places of the pair region, between slices of distractor text (the corpus, or
+random letters). After at least ``min_gap`` filler tokens come M queries, each repeating the key of a
+different pair followed by its value; the sample ends with the last query's value. Every value token of every
+query is supervised (``answer_mask``) and nothing else is, so the loss measures retrieval only, with M x V
+answer tokens per sample (the single-query layout this replaced had 4 per 4k-token sample: too little signal
+for any model to learn from).
 
-Each sample is a pure function of (seed, index): a fresh ``np.random.default_rng`` is
-seeded from both, so samples can be produced in any order, on any rank, after a resume.
+Why it needs long-range attention: the gap between the last pair and the first query is at least ``min_gap``
+tokens (the trainer's default: the model's sliding window w), so no queried pair lies within the window of
+its query. Keys are unique in a sample, so every answer is determined. Keys are uppercase letters and values
+digits, each a single token for the usual tokenizers; the filler's uppercase letters are lowercased and its
+digits replaced, so a key or value occurs only where the task put it (a filler "key" would be a false match
+that no model could resolve). No markers or separators: the two alphabets delimit pairs and queries, and
+every token spent on markers would be a token without supervision.
+
+Each sample is a pure function of (seed, stream, index): a fresh ``np.random.default_rng`` is seeded from
+them, so samples can be produced in any order, on any rank, after a resume.
 """
 
 from __future__ import annotations
 
+import string
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from .tokenizer import ByteTokenizer
-
-__all__ = ["IGNORE_INDEX", "QUERY_MARKER", "RetrievalTask", "retrieval_accuracy"]
+__all__ = ["IGNORE_INDEX", "RetrievalLayout", "RetrievalTask", "query_correct", "retrieval_accuracy"]
 
 IGNORE_INDEX = -100
-QUERY_MARKER = "\nQUERY "
-_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 _FILLER_CHARS = "abcdefghijklmnopqrstuvwxyz      \n"  # spaces repeated so "words" have ~5 letters
 
 
-class RetrievalTask:
-    """Generates retrieval samples; ``sample(i)`` -> (tokens [seq_len+1], answer_mask [seq_len+1])."""
+@dataclass
+class RetrievalLayout:
+    """Where the queries of one sample are: arrays of length M (number of queries), token positions."""
 
-    def __init__(self, tokenizer, seq_len: int, *, num_pairs: int = 16, key_len: int = 4, value_len: int = 4,
-                 seed: int = 0, stream: int = 0, filler_tokens: np.ndarray | None = None,
-                 filler_eos_id: int | None = None):
-        if num_pairs < 1 or key_len < 1 or value_len < 1:
-            raise ValueError(
-                f"data.retrieval_num_pairs/key_len/value_len must all be >= 1, got "
-                f"{num_pairs}/{key_len}/{value_len}"
-            )
-        if 26 ** key_len < num_pairs:
-            raise ValueError(
-                f"data.retrieval_key_len={key_len} allows only {26 ** key_len} distinct keys but "
-                f"data.retrieval_num_pairs={num_pairs}; raise retrieval_key_len"
-            )
+    answer_pos: np.ndarray  # first value token of each query
+    pair_value_pos: np.ndarray  # first value token of the pair each query asks for
+    depth: np.ndarray  # that pair's place in the pair region: 0 = its start, 1 = its end (nearest the queries)
+
+
+def _single_token_ids(tokenizer, chars: str) -> np.ndarray:
+    """Distinct ids of the characters that encode to exactly one token (HF tokenizers may merge or drop some)."""
+    ids = [tokenizer.encode(c) for c in chars]
+    return np.unique(np.array([i[0] for i in ids if len(i) == 1], np.int64))
+
+
+class RetrievalTask:
+    """Generates MQAR samples: ``sample(i)`` -> (tokens [seq_len+1] int64, answer_mask [seq_len+1] bool)."""
+
+    def __init__(self, tokenizer, seq_len: int, *, num_pairs: int = 16, num_queries: int = 16, key_len: int = 1,
+                 value_len: int = 1, min_gap: int = 64, seed: int = 0, stream: int = 0,
+                 filler_tokens: np.ndarray | None = None, filler_eos_id: int | None = None):
+        if min(num_pairs, num_queries, key_len, value_len) < 1 or min_gap < 0:
+            raise ValueError(f"data.retrieval_num_pairs/num_queries/key_len/value_len must be >= 1 and "
+                             f"data.retrieval_min_gap >= 0, got {num_pairs}/{num_queries}/{key_len}/{value_len} "
+                             f"and {min_gap}")
+        if num_queries > num_pairs:
+            raise ValueError(f"data.retrieval_num_queries={num_queries} > data.retrieval_num_pairs={num_pairs}: each "
+                             "query asks for a different pair; lower num_queries or raise num_pairs")
         self.tok = tokenizer
         self.seq_len = int(seq_len)
-        self.num_pairs, self.key_len, self.value_len = int(num_pairs), int(key_len), int(value_len)
-        # stream separates train (0) from val (1) samples drawn with the same seed.
+        self.num_pairs, self.num_queries = int(num_pairs), int(num_queries)
+        self.key_len, self.value_len, self.min_gap = int(key_len), int(value_len), int(min_gap)
+        # stream separates train (0) from val (1) and evaluation (2) samples drawn with the same seed.
         self.seed, self.stream = int(seed) & ((1 << 64) - 1), int(stream)
-        self._byte_level = isinstance(tokenizer, ByteTokenizer)
-        enc = self._encode
-        self.bos, self.eos = int(tokenizer.bos_id), int(tokenizer.eos_id)
-        # Tokenizers without a separator token (HF) get a visible ":" instead (EOS if even
-        # that encodes to nothing: the separator must exist to delimit the answer).
-        self.sep = np.array([tokenizer.sep_id], np.int64) if tokenizer.sep_id is not None else enc(":")
-        if len(self.sep) == 0:
-            self.sep = np.array([self.eos], np.int64)
-        self.pair_delim = enc(" ; ")
-        self.newline = enc("\n")
-        self.query = enc(QUERY_MARKER)
+        self.key_alphabet = _single_token_ids(tokenizer, string.ascii_uppercase)
+        self.value_alphabet = _single_token_ids(tokenizer, string.digits)
+        if len(self.key_alphabet) < 2 or len(self.value_alphabet) < 2:
+            raise ValueError(f"data.tokenizer: retrieval keys and values are drawn from single-token letters, but "
+                             f"this tokenizer has only {len(self.key_alphabet)} uppercase / {len(self.value_alphabet)} "
+                             "lowercase ones; use a tokenizer with single-character tokens (e.g. the byte tokenizer)")
+        if len(self.key_alphabet) ** key_len < num_pairs:
+            raise ValueError(f"data.retrieval_key_len={key_len} allows only {len(self.key_alphabet) ** key_len} "
+                             f"distinct keys but data.retrieval_num_pairs={num_pairs}; raise retrieval_key_len")
+        self.bos = int(tokenizer.bos_id)
+        self.pair_len = key_len + value_len  # a query has the same tokens as its pair
         # Whitespace pre-tokenizers encode " " or "\n" to nothing; keep the characters that do encode.
-        alphabet = [ids[0] for ids in (enc(c) for c in _FILLER_CHARS) if len(ids)]
-        self._alphabet = np.array(alphabet or [self.eos], np.int64)
-        self._eos_sub = int(self.newline[0]) if len(self.newline) else int(self._alphabet[0])
-        if filler_tokens is not None and len(filler_tokens) == 0:
-            filler_tokens = None
-        self.filler_tokens = filler_tokens
+        self._letters = _single_token_ids(tokenizer, _FILLER_CHARS)
+        newline = tokenizer.encode("\n")
+        self._eos_sub = int(newline[0]) if len(newline) else int(self._letters[0])  # EOS/digits in filler -> this
+        # A key token inside the filler would be a false match for a query, so the filler's key tokens (uppercase
+        # letters) are mapped to their lowercase: keys occur in a sample only where the task put them.
+        self._filler_map = np.arange(tokenizer.vocab_size, dtype=np.int64)
+        for c in string.ascii_uppercase:
+            upper, lower = tokenizer.encode(c), tokenizer.encode(c.lower())
+            if len(upper) == 1:
+                self._filler_map[upper[0]] = lower[0] if len(lower) == 1 else self._eos_sub
+        self._filler_map[self.value_alphabet] = self._eos_sub
+        self.filler_tokens = None if filler_tokens is None or len(filler_tokens) == 0 else filler_tokens
         self.filler_eos_id = filler_eos_id
-        # Worst-case length check up front (HF tokens per letter vary, so bytes give the bound
-        # only for the byte tokenizer; others are re-checked per sample).
-        fixed = 1 + num_pairs * (key_len + value_len + len(self.sep) + len(self.pair_delim))
-        fixed += len(self.newline) + len(self.query) + key_len + len(self.sep) + value_len + 1
-        if self._byte_level and fixed > self.seq_len + 1:
+        self.pair_region = self.seq_len - self.min_gap - self.num_queries * self.pair_len  # after BOS
+        if self.pair_region < self.num_pairs * self.pair_len:
+            need = 1 + self.num_pairs * self.pair_len + self.min_gap + self.num_queries * self.pair_len
             raise ValueError(
-                f"retrieval sample needs {fixed} tokens without filler but training.seq_len + 1 = "
-                f"{self.seq_len + 1}; raise training.seq_len or lower data.retrieval_num_pairs"
-            )
+                f"a retrieval sample needs {need} tokens ({num_pairs} pairs x {self.pair_len} + min_gap {min_gap} + "
+                f"{num_queries} queries x {self.pair_len} + BOS) but training.seq_len + 1 = {self.seq_len + 1}; "
+                "raise training.seq_len or lower data.retrieval_num_pairs / retrieval_num_queries / retrieval_min_gap")
 
-    def _encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text), dtype=np.int64)
-
-    def _strings(self, rng: np.random.Generator, n: int, length: int, unique: bool) -> np.ndarray:
-        """[n, length] uint8 letter codes; rows distinct when ``unique`` (so a query is unambiguous)."""
-        for _ in range(1000):
-            s = _LETTERS[rng.integers(0, 26, size=(n, length))]
-            if not unique or len(np.unique(s, axis=0)) == n:
-                return s
-        raise ValueError("could not draw distinct retrieval keys; raise data.retrieval_key_len")
-
-    def _tokens_of(self, letters: np.ndarray) -> list[np.ndarray]:
-        if self._byte_level:
-            return list(letters.astype(np.int64))  # letters are their own byte ids
-        return [self._encode(row.tobytes().decode("ascii")) for row in letters]
+    @property
+    def answer_tokens_per_sample(self) -> int:
+        return self.num_queries * self.value_len
 
     def _filler(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if n <= 0:
-            return np.zeros(0, np.int64)
         if self.filler_tokens is None:
-            return self._alphabet[rng.integers(0, len(self._alphabet), size=n)]
+            return self._letters[rng.integers(0, len(self._letters), size=n)]
         src = self.filler_tokens
         if len(src) >= n:
             start = int(rng.integers(0, len(src) - n + 1))
@@ -109,31 +122,47 @@ class RetrievalTask:
             # Document boundaries inside the filler would teach "forget everything at EOS",
             # the opposite of what this task trains; turn them into newlines.
             out[out == self.filler_eos_id] = self._eos_sub
-        return out
+        return self._filler_map[out]
+
+    def _keys(self, rng: np.random.Generator) -> np.ndarray:
+        """[N, key_len] distinct keys: N distinct codes < a^K written in base a (a = alphabet size)."""
+        a = len(self.key_alphabet)
+        codes = rng.choice(a ** self.key_len, size=self.num_pairs, replace=False)
+        digits = (codes[:, None] // a ** np.arange(self.key_len - 1, -1, -1)) % a
+        return self.key_alphabet[digits]
+
+    def sample_with_layout(self, index: int) -> tuple[np.ndarray, np.ndarray, RetrievalLayout]:
+        """Tokens [seq_len+1] int64, answer mask [seq_len+1] bool and where the queries and their pairs are."""
+        rng = np.random.default_rng([self.seed, self.stream, int(index)])
+        n, m, total = self.num_pairs, self.num_queries, self.seq_len + 1
+        keys = self._keys(rng)
+        values = self.value_alphabet[rng.integers(0, len(self.value_alphabet), size=(n, self.value_len))]
+        asked = rng.choice(n, size=m, replace=False)  # query order: a random subset of the pairs
+        free = self.pair_region - n * self.pair_len  # filler tokens between the pairs
+        filler = self._filler(rng, free + self.min_gap)
+        before = np.sort(rng.integers(0, free + 1, size=n))  # filler tokens before pair i
+        pair_start = 1 + before + np.arange(n) * self.pair_len
+        pairs = np.concatenate([keys, values], axis=1)  # [N, key_len + value_len]
+        tokens = np.empty(total, np.int64)
+        tokens[0] = self.bos
+        covered = np.zeros(total, bool)
+        span = pair_start[:, None] + np.arange(self.pair_len)
+        tokens[span] = pairs
+        covered[span] = True
+        query_start = 1 + self.pair_region + self.min_gap
+        filler_pos = np.flatnonzero(~covered[:query_start])[1:]  # every position but BOS before the queries
+        tokens[filler_pos] = filler
+        tokens[query_start:] = pairs[asked].reshape(-1)
+        answer_pos = query_start + np.arange(m) * self.pair_len + self.key_len
+        mask = np.zeros(total, bool)
+        mask[answer_pos[:, None] + np.arange(self.value_len)] = True
+        pair_value_pos = pair_start[asked] + self.key_len
+        depth = before[asked] / max(free, 1)
+        return tokens, mask, RetrievalLayout(answer_pos=answer_pos, pair_value_pos=pair_value_pos, depth=depth)
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens [seq_len+1] int64 and a bool mask [seq_len+1] marking the answer tokens."""
-        rng = np.random.default_rng([self.seed, self.stream, int(index)])
-        keys = self._tokens_of(self._strings(rng, self.num_pairs, self.key_len, unique=True))
-        vals = self._tokens_of(self._strings(rng, self.num_pairs, self.value_len, unique=False))
-        q = int(rng.integers(0, self.num_pairs))
-        head = [np.array([self.bos], np.int64)]
-        for i in range(self.num_pairs):
-            head += [keys[i], self.sep, vals[i]]
-            head.append(self.pair_delim if i + 1 < self.num_pairs else self.newline)
-        head = np.concatenate(head)
-        answer = vals[q]
-        tail = np.concatenate([self.query, keys[q], self.sep, answer, np.array([self.eos], np.int64)])
-        n_fill = self.seq_len + 1 - len(head) - len(tail)
-        if n_fill < 0:
-            raise ValueError(
-                f"retrieval sample needs {len(head) + len(tail)} tokens without filler but training.seq_len + 1 = "
-                f"{self.seq_len + 1}; raise training.seq_len or lower data.retrieval_num_pairs"
-            )
-        tokens = np.concatenate([head, self._filler(rng, n_fill), tail])
-        mask = np.zeros(self.seq_len + 1, dtype=bool)
-        end = self.seq_len  # position of EOS; the answer sits right before it
-        mask[end - len(answer):end] = True
+        tokens, mask, _ = self.sample_with_layout(index)
         return tokens, mask
 
     def batch(self, indices) -> tuple[np.ndarray, np.ndarray]:
@@ -144,14 +173,30 @@ class RetrievalTask:
         return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 
+def query_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer: (ends [B, T] bool, correct [B, T] bool). An answer is a maximal run of labelled positions
+    (label != -100; one query's value); ``ends`` marks the last position of each run, ``correct`` is True there
+    when the argmax is right at every position of the run. Vectorised, no host sync: the number of wrong tokens
+    since the run's start is a difference of running counts (the count before the latest run start, carried
+    forward by cummax since running counts never decrease)."""
+    valid = labels != IGNORE_INDEX
+    wrong = (valid & (logits.argmax(-1) != labels)).long()
+    before = torch.nn.functional.pad(valid[:, :-1], (1, 0))  # valid[t - 1], False at t = 0
+    after = torch.nn.functional.pad(valid[:, 1:], (0, 1))    # valid[t + 1], False at t = T - 1
+    starts, ends = valid & ~before, valid & ~after
+    wrong_so_far = wrong.cumsum(-1)
+    wrong_before_run = torch.where(starts, wrong_so_far - wrong, 0).cummax(-1).values
+    return ends, ends & (wrong_so_far == wrong_before_run)
+
+
 def retrieval_accuracy(logits: torch.Tensor, labels: torch.Tensor,
                        is_retrieval: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(correct_samples, total_samples) as 0-dim int64 tensors on ``logits.device``.
+    """(correct_answers, total_answers) as 0-dim int64 tensors on ``logits.device``.
 
-    A sample is correct when the argmax at every answer position (label != -100) equals
-    the label. Which rows are retrieval samples comes from ``is_retrieval`` ([B] bool, the
-    batch's "is_retrieval" entry) or, when None, is inferred: a retrieval row has both
-    ignored and non-ignored labels (packed text rows have no ignored labels at all).
+    An answer (one query's value: a run of labelled positions) is correct when the argmax at each of its
+    positions equals the label (``query_correct``). Which rows are retrieval samples comes from
+    ``is_retrieval`` ([B] bool, the batch's "is_retrieval" entry) or, when None, is inferred: a retrieval row
+    has both ignored and non-ignored labels (packed text rows have no ignored labels at all).
     Stays on device (no .item()) so callers can accumulate without a host sync.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
@@ -159,7 +204,6 @@ def retrieval_accuracy(logits: torch.Tensor, labels: torch.Tensor,
     valid = labels != IGNORE_INDEX
     if is_retrieval is None:
         is_retrieval = valid.any(-1) & (~valid).any(-1)
-    is_retrieval = is_retrieval.to(device=labels.device, dtype=torch.bool) & valid.any(-1)
-    hit = (logits.argmax(-1) == labels) | ~valid
-    correct = (hit.all(-1) & is_retrieval).sum()
-    return correct, is_retrieval.sum()
+    rows = is_retrieval.to(device=labels.device, dtype=torch.bool)[:, None]
+    ends, correct = query_correct(logits, labels)
+    return (correct & rows).sum(), (ends & rows).sum()

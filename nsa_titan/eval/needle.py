@@ -1,13 +1,13 @@
-"""Needle / key-value retrieval accuracy by context length and depth.
+"""Retrieval accuracy by context length and depth, on the training task (``nsa_titan.data.RetrievalTask``).
 
-A needle sample is the training task's sample (``nsa_titan.data.RetrievalTask``: [BOS] pairs \\n filler
-\\nQUERY key SEP value [EOS]) with the block of key-value pairs moved into the filler, so that the queried
-pair starts at ``depth`` (0 = right after BOS, 1 = right before the query) of the context. At depth 0 it is
-exactly the training sample (tested), so depth 0 measures the trained skill and other depths how it
-transfers. A sample counts as correct when greedy prediction gives every answer token (teacher forcing with
-all answer tokens right is the same as greedy decoding of the answer): ``nsa_titan.data.retrieval_accuracy``.
+At each context length the task keeps its training shape (pairs, queries, key/value lengths, gap) and only the
+distractor text grows, so longer contexts put the pairs further from their queries: at 2x-8x the training
+length this measures how retrieval extrapolates. Each query is scored on its own (correct when the argmax is
+right at every value token: ``nsa_titan.data.query_correct``; teacher forcing with all answer tokens right is
+the same as greedy decoding of the answer) and binned by the depth of the pair it asks for (0 = start of the
+pair region, 1 = its end, the nearest the queries may be). Samples come from a stream training never draws.
 
-    python -m nsa_titan.eval.needle --checkpoint CKPT [--lengths 1024,2048,...,65536] [--depths 0,0.25,0.5,0.75,1]
+    python -m nsa_titan.eval.needle --checkpoint CKPT [--lengths 512,1024,2048,4096] [--depth-bins 4]
         [--samples 20] [--batch-size 1] [--config FILE] [--model.KEY VALUE ...] [--data.retrieval_* ...] [--out F]
 """
 
@@ -23,113 +23,96 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nsa_titan.data import IGNORE_INDEX, RetrievalTask, retrieval_accuracy
+from nsa_titan.data import IGNORE_INDEX, RetrievalTask, query_correct
+from nsa_titan.data.build import retrieval_task_kwargs
 
 NEEDLE_STREAM = 2  # RetrievalTask streams 0 and 1 are the train and val samples: evaluate on unseen ones
-DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-class NeedleTask:
-    """``sample(index, depth)`` -> (tokens [context_len + 1], answer mask, queried pair's start position)."""
+def draw_batch(task: RetrievalTask, indices) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(input [B, T], labels [B, T] with -100 off the answers, depth of each query's pair [B, M])."""
+    drawn = [task.sample_with_layout(int(i)) for i in indices]
+    tokens = torch.from_numpy(np.stack([d[0] for d in drawn]))
+    mask = torch.from_numpy(np.stack([d[1] for d in drawn]))
+    labels = torch.where(mask[:, 1:], tokens[:, 1:], IGNORE_INDEX)
+    return tokens[:, :-1], labels, np.stack([d[2].depth for d in drawn])
 
-    def __init__(self, tokenizer, context_len: int, *, num_pairs: int = 16, key_len: int = 4, value_len: int = 4,
-                 seed: int = 0, stream: int = NEEDLE_STREAM, filler_tokens=None, filler_eos_id=None):
-        self.task = RetrievalTask(tokenizer, context_len, num_pairs=num_pairs, key_len=key_len, value_len=value_len,
-                                  seed=seed, stream=stream, filler_tokens=filler_tokens, filler_eos_id=filler_eos_id)
-        self.context_len = context_len
 
-    def sample(self, index: int, depth: float) -> tuple[np.ndarray, np.ndarray, int]:
-        # Draws the random numbers in RetrievalTask.sample's order, so that depth 0 reproduces its sample.
-        t = self.task
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
-        rng = np.random.default_rng([t.seed, t.stream, int(index)])
-        keys = t._tokens_of(t._strings(rng, t.num_pairs, t.key_len, unique=True))
-        vals = t._tokens_of(t._strings(rng, t.num_pairs, t.value_len, unique=False))
-        q = int(rng.integers(0, t.num_pairs))
-        pairs, offset = [], 0
-        for i in range(t.num_pairs):
-            if i == q:
-                offset = sum(len(x) for x in pairs)
-            pairs += [keys[i], t.sep, vals[i], t.pair_delim if i + 1 < t.num_pairs else t.newline]
-        block = np.concatenate(pairs)
-        tail = np.concatenate([t.query, keys[q], t.sep, vals[q], np.array([t.eos], np.int64)])
-        n_fill = self.context_len + 1 - 1 - len(block) - len(tail)
-        if n_fill < 0:
-            raise ValueError(f"context_len {self.context_len} is too short for {t.num_pairs} pairs")
-        filler = t._filler(rng, n_fill)
-        # Queried pair at depth * (where the query starts), as near as a contiguous pair block allows.
-        target = round(depth * (self.context_len + 1 - len(tail))) - offset - 1
-        cut = min(max(target, 0), n_fill)
-        tokens = np.concatenate([np.array([t.bos], np.int64), filler[:cut], block, filler[cut:], tail])
-        mask = np.zeros(self.context_len + 1, dtype=bool)
-        mask[self.context_len - len(vals[q]):self.context_len] = True
-        return tokens, mask, 1 + cut + offset
+def depth_bin_of(depth: np.ndarray, bins: int) -> np.ndarray:
+    """Bin index in [0, bins) of depths in [0, 1] (1 falls into the last bin)."""
+    return np.minimum((depth * bins).astype(np.int64), bins - 1)
 
 
 @torch.no_grad()
-def evaluate_needle(model, tokenizer, *, lengths, depths, samples: int, device: torch.device, batch_size: int = 1,
-                    seed: int = 0, task_kwargs: dict | None = None, autocast=contextlib.nullcontext,
+def evaluate_needle(model, tokenizer, *, lengths, depth_bins: int, samples: int, device: torch.device,
+                    task_kwargs: dict, batch_size: int = 1, seed: int = 0, autocast=contextlib.nullcontext,
                     log=print) -> list[dict]:
-    """One row per (context length, depth): accuracy over ``samples`` needle samples, mean needle position."""
+    """One row per (context length, depth bin): accuracy over the queries of ``samples`` samples."""
     rows = []
     for length in lengths:
-        task = NeedleTask(tokenizer, length, seed=seed, **(task_kwargs or {}))
-        for depth in depths:
-            correct = torch.zeros((), dtype=torch.long, device=device)
-            positions = []
-            t0 = time.perf_counter()
-            for start in range(0, samples, batch_size):
-                drawn = [task.sample(i, depth) for i in range(start, min(start + batch_size, samples))]
-                tokens = torch.from_numpy(np.stack([d[0] for d in drawn])).to(device)
-                mask = torch.from_numpy(np.stack([d[1] for d in drawn])).to(device)
-                positions += [d[2] for d in drawn]
-                labels = torch.where(mask[:, 1:], tokens[:, 1:], IGNORE_INDEX)
-                with autocast():
-                    logits = model(tokens[:, :-1])
-                correct += retrieval_accuracy(logits, labels)[0]
-            row = {"context_len": length, "depth": depth, "accuracy": correct.item() / samples, "samples": samples,  # host sync ok: end of an eval cell
-                   "needle_pos_mean": float(np.mean(positions)), "seconds": time.perf_counter() - t0}
+        task = RetrievalTask(tokenizer, length, seed=seed, stream=NEEDLE_STREAM, **task_kwargs)
+        correct, total = np.zeros(depth_bins, np.int64), np.zeros(depth_bins, np.int64)
+        t0 = time.perf_counter()
+        for start in range(0, samples, batch_size):
+            inputs, labels, depth = draw_batch(task, range(start, min(start + batch_size, samples)))
+            with autocast():
+                logits = model(inputs.to(device))
+            ends, right = query_correct(logits, labels.to(device))
+            # Queries end in position order, which is their order in the layout: row-major selection matches.
+            hits = right[ends].view(depth.shape).cpu().numpy()  # host sync ok: one per eval batch
+            b = depth_bin_of(depth, depth_bins)
+            np.add.at(correct, b, hits)
+            np.add.at(total, b, 1)
+        seconds = time.perf_counter() - t0
+        for i in range(depth_bins):
+            row = {"context_len": length, "depth": f"{i / depth_bins:.2f}-{(i + 1) / depth_bins:.2f}",
+                   "accuracy": float(correct[i] / max(total[i], 1)), "queries": int(total[i]), "samples": samples,
+                   "seconds": seconds}
             log(json.dumps(row))
             rows.append(row)
     return rows
 
 
-def task_kwargs_from(data_cfg) -> dict:
-    return {"num_pairs": data_cfg.retrieval_num_pairs, "key_len": data_cfg.retrieval_key_len,
-            "value_len": data_cfg.retrieval_value_len}
+def accuracy_by_length(rows: list[dict]) -> dict[int, float]:
+    """Query-weighted accuracy over all depths, per context length."""
+    out = {}
+    for length in sorted({r["context_len"] for r in rows}):
+        sel = [r for r in rows if r["context_len"] == length]
+        out[length] = sum(r["accuracy"] * r["queries"] for r in sel) / max(sum(r["queries"] for r in sel), 1)
+    return out
+
+
+def accuracy_table(rows: list[dict], label: str = "") -> str:
+    """Markdown: one line per context length, one column per depth bin, plus all depths together."""
+    depths = list(dict.fromkeys(r["depth"] for r in rows))
+    overall = accuracy_by_length(rows)
+    lines = [f"| {label or 'context'} | " + " | ".join(f"depth {d}" for d in depths) + " | all |",
+             "|---" * (len(depths) + 2) + "|"]
+    for length in sorted(overall):
+        acc = {r["depth"]: r["accuracy"] for r in rows if r["context_len"] == length}
+        cells = [f"{100 * acc[d]:.1f}" if d in acc else "-" for d in depths]
+        lines.append(f"| {length} | " + " | ".join(cells) + f" | {100 * overall[length]:.1f} |")
+    return "\n".join(lines)
 
 
 def filler_from(data_cfg, tokenizer) -> dict:
-    """The filler the training task had (build_dataloader's choice), from the val split: the text of data.path
-    ('retrieval' with a path, 'text_files'), the stdlib corpus ('stdlib' + retrieval_mix), else random letters."""
+    """The filler the training task had (build_dataloader's choice), from the val split: the text of data.path,
+    else the stdlib corpus, unless data.retrieval_filler is 'letters' (then random letters)."""
     from nsa_titan.data import stdlib_documents, text_file_documents, tokenize_documents  # noqa: PLC0415
 
-    if data_cfg.dataset == "stdlib":
-        docs = stdlib_documents("val", data_cfg.val_fraction)
-    elif data_cfg.dataset == "text_files" or (data_cfg.dataset == "retrieval" and data_cfg.path):
+    if data_cfg.retrieval_filler == "letters" or data_cfg.dataset == "hf":
+        return {}
+    if data_cfg.path and data_cfg.dataset in ("text_files", "retrieval"):
         docs = text_file_documents(data_cfg.path, "val", data_cfg.val_fraction)
     else:
-        return {}
+        docs = stdlib_documents("val", data_cfg.val_fraction)
     corpus = tokenize_documents(docs, tokenizer)
     return {"filler_tokens": corpus.tokens, "filler_eos_id": corpus.eos_id}
 
 
-def accuracy_table(rows: list[dict], label: str = "") -> str:
-    """Markdown: one line per context length, one column per depth, plus the mean over depths."""
-    depths = sorted({r["depth"] for r in rows})
-    lines = [f"| {label or 'context'} | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
-             "|---" * (len(depths) + 2) + "|"]
-    for length in sorted({r["context_len"] for r in rows}):
-        acc = {r["depth"]: r["accuracy"] for r in rows if r["context_len"] == length}
-        cells = [f"{100 * acc[d]:.1f}" if d in acc else "-" for d in depths]
-        lines.append(f"| {length} | " + " | ".join(cells) + f" | {100 * sum(acc.values()) / len(acc):.1f} |")
-    return "\n".join(lines)
-
-
-def parse_floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def eval_task_kwargs(data_cfg, tokenizer, window: int) -> dict:
+    """RetrievalTask arguments of the training task: its shape (``[data]``, gap default = ``window``) and filler."""
+    return {**retrieval_task_kwargs(data_cfg, window), **filler_from(data_cfg, tokenizer)}
 
 
 def parse_ints(text: str) -> list[int]:
@@ -144,9 +127,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     parser = argparse.ArgumentParser(prog="python -m nsa_titan.eval.needle", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="weights (see nsa_titan/eval/weights.py); none: random init")
-    parser.add_argument("--lengths", type=parse_ints, default=list(DEFAULT_LENGTHS))
-    parser.add_argument("--depths", type=parse_floats, default=list(DEFAULT_DEPTHS))
-    parser.add_argument("--samples", type=int, default=20, help="per (length, depth)")
+    parser.add_argument("--lengths", type=parse_ints, help="context lengths (default: training.seq_len x 1,2,4,8)")
+    parser.add_argument("--depth-bins", type=int, default=4, help="equal-width bins of the queried pair's depth")
+    parser.add_argument("--samples", type=int, default=20, help="per length (each has data.retrieval_num_queries)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -154,15 +137,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", help="write {'rows': [...], ...} as JSON here")
     ns, rest = parser.parse_known_args(argv)
     job_config = load_inference_config(rest)
+    lengths = ns.lengths or [job_config.training.seq_len * k for k in (1, 2, 4, 8)]
     device = resolve_device(ns.device)
     tokenizer = build_tokenizer(job_config.data.tokenizer)
-    args = resolve_inference_args(job_config, ns.checkpoint, max(ns.lengths))
+    args = resolve_inference_args(job_config, ns.checkpoint, max(lengths))
     model = build_inference_model(args, ns.checkpoint, device)
     bf16 = ns.dtype == "bf16" and device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    rows = evaluate_needle(model, tokenizer, lengths=ns.lengths, depths=ns.depths, samples=ns.samples, device=device,
-                           batch_size=ns.batch_size, seed=ns.seed, autocast=autocast,
-                           task_kwargs={**task_kwargs_from(job_config.data), **filler_from(job_config.data, tokenizer)})
+    rows = evaluate_needle(model, tokenizer, lengths=lengths, depth_bins=ns.depth_bins, samples=ns.samples,
+                           device=device, batch_size=ns.batch_size, seed=ns.seed, autocast=autocast,
+                           task_kwargs=eval_task_kwargs(job_config.data, tokenizer, args.window))
     print(accuracy_table(rows, args.attn_type))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
