@@ -40,7 +40,7 @@ from nsa_titan.components.runtime import (
 )
 from nsa_titan.components.train_step import evaluate, move_batch
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
-from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
+from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.parallelisms import (
@@ -65,7 +65,8 @@ def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs
     if vocab_needed > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the tokenizer ({job_config.data.tokenizer!r}) has {vocab_needed} tokens but the "
-            f"model only {args.vocab_size} embedding rows; pass --model.vocab_size {vocab_needed} (or larger)"
+            f"model only {args.vocab_size} embedding rows; pass --model.vocab_size {vocab_needed} (or larger, e.g. "
+            f"{-(-vocab_needed // 64) * 64}, a multiple of 64)"
         )
     return args
 
@@ -142,7 +143,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     if tc.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    try:  # a missing, unreadable or mis-configured tokenizer is a settings mistake (exit 2), found before the model
+        tokenizer = tokenizer_from_config(job_config.data)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
     model_args = resolve_model_args(job_config, tokenizer.vocab_size)
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
@@ -158,12 +162,16 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     try:
         train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
                                         local_batch_size=tc.local_batch_size, rank=dp_rank,
-                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn)
+                                        world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn,
+                                        num_workers=job_config.data.num_workers, log=functools.partial(_print0, world))
         val_batches = _fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn) if mc.val_freq > 0 else []
     except ConfigError:
         raise
-    except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
+    except (ValueError, ImportError) as e:  # the data package names the key (data.path, ...) and the fix
         raise ConfigError(str(e)) from None
+    _print0(world, f"data: {job_config.data.dataset} | tokenizer {tokenizer!r} (eos {tokenizer.eos_id}) | "
+                   + (f"torchdata StatefulDataLoader, {train_loader.num_workers} worker(s)/rank"
+                      if train_loader.use_torchdata else "inline loader"))
     model = build_training_model(job_config, model_args, device, world, parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).

@@ -298,33 +298,7 @@ def test_retrieval_accuracy_hand_made():
     assert [t.item() for t in retrieval_accuracy(logits, labels, flags)] == [1, 1]
 
 
-# ---------------------------------------------------------------- HF datasets (faked module)
-
-def _fake_datasets(monkeypatch, rows):
-    mod = types.ModuleType("datasets")
-    mod.load_dataset = lambda *a, **kw: list(rows)
-    monkeypatch.setitem(sys.modules, "datasets", mod)
-
-
-def test_hf_streaming_source_and_resume(monkeypatch):
-    rows = [{"text": f"example {i} " * (1 + i % 5)} for i in range(50)]
-    _fake_datasets(monkeypatch, rows)
-    c = cfg(dataset="hf", path="some/dataset", val_fraction=0.2)
-    kw = dict(seq_len=24, local_batch_size=2, rank=1, world_size=2)
-    loader = build_dataloader(c, TOK, **kw)
-    first = take(loader, 6)
-    text = TOK.decode(first[0]["input"][0].tolist())
-    assert "example" in text and first[0]["input"].shape == (2, 24)
-    fresh = build_dataloader(c, TOK, **kw)
-    take(fresh, 2)
-    state = fresh.state_dict()
-    again = build_dataloader(c, TOK, **kw)
-    again.load_state_dict(state)
-    for x, y in zip(first[2:], take(again, 4)):  # crosses the end of the 50-row stream
-        assert torch.equal(x["input"], y["input"])
-    with pytest.raises(ValueError, match="hf_text_field"):
-        next(build_dataloader(cfg(dataset="hf", path="x", hf_text_field="body"), TOK, seq_len=8, local_batch_size=1))
-
+# ---------------------------------------------------------------- HF datasets (real ones: tests/test_data_hf.py)
 
 def test_hf_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
