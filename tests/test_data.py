@@ -346,3 +346,38 @@ def test_ids_beyond_vocab_rejected():
         vocab_size = 100  # claims fewer ids than the bytes it emits
     with pytest.raises(ValueError, match="data.tokenizer.*vocab_size 100"):
         tokenize_documents([b"hello"], BadTok())
+
+
+# ---------------------------------------------------------------- torchdata's StatefulDataLoader
+
+def test_torchdata_workers_give_the_inline_batches_and_resume_exactly(text_dir):
+    pytest.importorskip("torchdata")
+    c = cfg(dataset="text_files", path=str(text_dir), retrieval_mix=0.3)
+    kw = dict(seq_len=64, local_batch_size=6, rank=1, world_size=2, seed=7)
+    inline = take(build_dataloader(c, TOK, **kw), 8)
+    loader = build_dataloader(c, TOK, num_workers=2, **kw)
+    assert loader.use_torchdata and loader.num_workers == 2
+    got = take(loader, 5)
+    import json
+
+    state = json.loads(json.dumps(loader.state_dict()))  # checkpoints hold JSON, never pickles
+    assert state["torchdata"] is not None
+    got += take(loader, 3)
+    for x, y in zip(inline, got):  # workers build batches in any order; the loader yields them in order
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    for saved in (state, {**state, "torchdata": None}):  # torchdata's own state, or the position alone
+        again = build_dataloader(c, TOK, num_workers=2, **kw)
+        again.load_state_dict(saved)
+        for x, y in zip(inline[5:], take(again, 3)):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_without_torchdata_the_loader_runs_inline_and_says_so(text_dir, monkeypatch):
+    import nsa_titan.data.dataloader as dl
+
+    monkeypatch.setattr(dl, "torchdata_available", lambda: False)
+    lines = []
+    loader = build_dataloader(cfg(dataset="text_files", path=str(text_dir)), TOK, seq_len=32, local_batch_size=2,
+                              num_workers=2, log=lines.append)
+    assert not loader.use_torchdata and next(loader)["input"].shape == (2, 32)
+    assert len(lines) == 1 and "torchdata is not installed" in lines[0] and "pip install torchdata" in lines[0]
