@@ -43,6 +43,7 @@ from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_
 from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
+from nsa_titan.models.nsa.local_attention import describe as describe_attention
 from nsa_titan.parallelisms import (
     CompileCounter,
     ParallelDims,
@@ -183,7 +184,9 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         "params_with_embedding": count_params(model_args, include_embedding=True),
         "training_flops_per_token": flops_per_token,
     }
-    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={model_args.attn_impl}): "
+    kernels = describe_attention(model_args.attn_type, model_args.attn_impl, device.type, tc.mixed_precision)
+    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={model_args.attn_impl}"
+                   f"{', ' + kernels if kernels else ''}): "
                    f"{model_info['params'] / 1e6:.2f}M params excl. embedding "
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "

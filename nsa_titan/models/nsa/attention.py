@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa_titan.models.nsa import reference, torch_impl
+from nsa_titan.models.nsa import local_attention, reference, torch_impl
 from nsa_titan.models.nsa.args import NSAModelArgs
 from nsa_titan.models.nsa.common import NSAParams
 
@@ -174,12 +174,8 @@ class DenseAttention(nn.Module):
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        # is_causal is safe here: queries and keys have the same length, so the mask is the usual one.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+        out = local_attention.causal_attention(q, k, v)  # flash-attn when installed, else SDPA(is_causal)
+        return self.wo(out.reshape(b, t, self.n_heads * self.v_head_dim))
 
     def init_weights(self, init_std: float) -> None:
         for lin in (self.wq, self.wkv):
