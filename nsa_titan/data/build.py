@@ -89,18 +89,21 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
 
     text = None
     filler = None
+    # Each rank reads and tokenizes only its own documents (shard); its chunks are then all its own.
+    shard = (int(rank), int(world_size))
     if dataset == "stdlib":
-        corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
+        corpus = tokenize_documents(stdlib_documents(split, val_fraction, shard=shard), tokenizer)
     elif dataset == "text_files" or (dataset == "retrieval" and path):
-        src, frac = (val_path, 0.0) if split == "val" and separate_val else (path, 0.0 if separate_val else val_fraction)
-        corpus = tokenize_documents(text_file_documents(src, "train" if frac == 0.0 else split, frac,
-                                                        on_error=_cfg(data_cfg, "on_error"), report=report,
-                                                        text_field=text_field), tokenizer)
+        if separate_val:  # all of data.path trains; data.val_path is the val set
+            src, part, frac = (val_path if split == "val" else path), "train", 0.0
+        else:
+            src, part, frac = path, split, val_fraction
+        corpus = tokenize_documents(text_file_documents(src, part, frac, on_error=_cfg(data_cfg, "on_error"),
+                                                        report=report, text_field=text_field, shard=shard), tokenizer)
     else:
         corpus = None
     if dataset != "retrieval" and dataset != "hf":
-        text = PackedTextDataset(corpus, seq_len, rank=rank, world_size=world_size, seed=seed,
-                                 shuffle=(split == "train"))
+        text = PackedTextDataset(corpus, seq_len, rank=0, world_size=1, seed=seed, shuffle=(split == "train"))
     if corpus is not None:
         filler = corpus.tokens  # retrieval filler is real text when we have it
 

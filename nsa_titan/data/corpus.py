@@ -84,8 +84,9 @@ def _report_bad_files(path: str, bad: list[tuple[str, str]], total: int, on_erro
            f"{shown} (data.on_error = \"fail\" stops on such files instead)")
 
 
-def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
-    """All UTF-8 ``*.py`` files of this interpreter's standard library, sorted by relative path."""
+def stdlib_documents(split: str = "train", val_fraction: float = 0.01, *, shard: tuple[int, int] = (0, 1)) -> list[bytes]:
+    """All UTF-8 ``*.py`` files of this interpreter's standard library, sorted by relative path (``shard`` =
+    (rank, ranks): every ranks-th of the split's files from the rank-th, so a rank reads only its own)."""
     _check_split(split, val_fraction)
     root = sysconfig.get_paths()["stdlib"]
     rels: list[str] = []
@@ -98,14 +99,35 @@ def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[b
                 rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     rels.sort()
     docs = []
-    for rel in rels:
-        if in_split(rel, split, val_fraction):
-            data = _read_utf8(os.path.join(root, rel))
-            if data:
-                docs.append(data)
+    for rel in _shard([r for r in rels if in_split(r, split, val_fraction)], shard):
+        data = _read_utf8(os.path.join(root, rel))
+        if data:
+            docs.append(data)
     if not docs:
-        raise ValueError(f"data.dataset=\"stdlib\": no UTF-8 .py files found under {root!r} for split={split!r}")
+        raise ValueError(f"data.dataset=\"stdlib\": no UTF-8 .py files found under {root!r} for split={split!r}"
+                         f"{_rank_note(shard)}")
     return docs
+
+
+def _shard(items: list, shard: tuple[int, int]) -> list:
+    rank, ranks = shard
+    return items[rank::ranks]
+
+
+def _rank_note(shard: tuple[int, int]) -> str:
+    return f" on rank {shard[0]} of {shard[1]} (each rank reads 1/{shard[1]} of the documents: use fewer ranks)" \
+        if shard[1] > 1 else ""
+
+
+def _split_at_newlines(data: bytes, parts: int) -> list[bytes]:
+    """``data`` cut into ``parts`` pieces of about equal size, each cut just after a newline where there is one."""
+    cuts = [0]
+    for i in range(1, parts):
+        want = max(cuts[-1], len(data) * i // parts)
+        nl = data.find(b"\n", want)
+        cuts.append(len(data) if nl < 0 else nl + 1)
+    cuts.append(len(data))
+    return [data[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _list_text_files(path: str) -> list[str]:
@@ -147,7 +169,7 @@ def _jsonl_documents(path: str, key: str, split: str, val_fraction: float, text_
 
 
 def text_file_documents(path: str, split: str = "train", val_fraction: float = 0.01, *, on_error: str = "skip",
-                        report=None, text_field: str = "text") -> list[bytes]:
+                        report=None, text_field: str = "text", shard: tuple[int, int] = (0, 1)) -> list[bytes]:
     """Documents from a directory (recursive, TEXT_EXTENSIONS), a glob, or a single file.
 
     Several files are split by a hash of their path relative to ``path``. A single file
@@ -156,6 +178,9 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
     each line, split line by line. Files of the split that are not UTF-8 (or not
     readable, or JSON lines without the field) are named through ``report`` (default: ``warnings.warn``) and
     skipped, or raise a ValueError with ``on_error="fail"``; a single such file is always an error.
+    ``shard`` = (rank, ranks): this rank's documents only (every ranks-th file of the split, or of the
+    documents of .jsonl files; a single text file is cut into ranks pieces at newlines), so that no rank
+    reads or tokenizes the whole corpus.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"data.on_error must be \"skip\" or \"fail\", got {on_error!r}")
@@ -182,6 +207,7 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
         if len(files) == 1 and bad:
             raise ValueError(f"data.path: {files[0]} cannot be read as JSON lines ({bad[0][1]})")
         _report_bad_files(path, bad, len(files), on_error, report)
+        docs = _shard(docs, shard)
     elif len(files) == 1:
         data, why = _read_text_file(files[0])
         if why:
@@ -190,21 +216,22 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
         nl = data.rfind(b"\n", 0, cut)
         cut = nl + 1 if nl > 0 else cut
         part = data[cut:] if split == "val" else data[:cut]
+        part = _split_at_newlines(part, shard[1])[shard[0]]
         docs = [part] if part else []
     else:
-        docs, bad, total = [], [], 0
-        for f in files:
-            if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction):
-                total += 1
-                data, why = _read_text_file(f)
-                if why:
-                    bad.append((os.path.relpath(f, base), why))
-                elif data:
-                    docs.append(data)
-        _report_bad_files(path, bad, total, on_error, report)
+        docs, bad = [], []
+        mine = _shard([f for f in files if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction)],
+                      shard)
+        for f in mine:
+            data, why = _read_text_file(f)
+            if why:
+                bad.append((os.path.relpath(f, base), why))
+            elif data:
+                docs.append(data)
+        _report_bad_files(path, bad, len(mine), on_error, report)
     if not docs:
         raise ValueError(
-            f"data.path: no UTF-8 text found in {path!r} for split={split!r} ({len(files)} candidate files); "
+            f"data.path: no UTF-8 text found in {path!r} for split={split!r}{_rank_note(shard)} ({len(files)} candidate files); "
             f"point data.path at text files ({', '.join(TEXT_EXTENSIONS[:4])}, ...) or lower/raise data.val_fraction"
         )
     return docs

@@ -7,10 +7,10 @@ from ``default_rng([seed, stream, index])``. The loader's whole state is therefo
 sample position (epoch is derived from it); no RNG object needs saving, and a resumed
 loader reproduces exactly the batches the original would have produced.
 
-Sharding: the packed stream of an epoch is cut into chunks of ``seq_len + 1`` tokens;
-rank r of W owns chunks i with ``i % W == r``. Every rank gets the same number of chunks
-per epoch (the < W leftover chunks and the < seq_len+1 tail tokens are dropped), so ranks
-stay in lockstep and never hang a collective at an epoch boundary.
+Sharding: ``build_dataloader`` gives each rank its own documents (every W-th file, read and tokenized by
+that rank only) and a PackedTextDataset of rank 0 of 1 over them, so no rank holds the whole corpus. The
+class can also deal one corpus's chunks round-robin (rank r of W owns chunks i with ``i % W == r``, the same
+number per rank; the < W leftover chunks and the < seq_len+1 tail tokens are dropped).
 """
 
 from __future__ import annotations
