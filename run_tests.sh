@@ -21,6 +21,18 @@ done
 if (( ${#missing[@]} )); then
   "$PYTHON" -m pip install -q "${missing[@]}"
 fi
+# Optional packages whose tests otherwise skip: torchdata (the loader's workers), datasets + pyarrow (streamed
+# parquet), tokenizers and tiktoken (tokenizer files), transformers (exports that AutoModel loads). Best
+# effort: a machine without a network still runs the rest, and those tests say they were skipped.
+optional=()
+for spec in torchdata:torchdata datasets:datasets pyarrow:pyarrow tokenizers:tokenizers tiktoken:tiktoken \
+            transformers:transformers; do
+  "$PYTHON" -c "import ${spec%%:*}" >/dev/null 2>&1 || optional+=("${spec#*:}")
+done
+if (( ${#optional[@]} )); then
+  "$PYTHON" -m pip install -q "${optional[@]}" >/dev/null 2>&1 \
+    || echo "run_tests.sh: could not install ${optional[*]}; their tests will be skipped" >&2
+fi
 # Where `import nsa_titan` resolves from outside the repository ("" if nowhere). Checked from / so
 # that subprocesses in any directory (torchrun workers, tests' subprocesses) can import it, and so
 # that a stale install of another clone does not shadow this one.

@@ -25,7 +25,7 @@ import torch
 
 from nsa_titan.components.runtime import device_name, resolve_device
 from nsa_titan.config import ConfigError, load_job_config
-from nsa_titan.data import build_tokenizer
+from nsa_titan.data import tokenizer_from_config
 from nsa_titan.eval.weights import load_weights, saved_model_args
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.decode import KVCache, decode_step, prefill
@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> dict:
     ns, rest = parse_args(argv)
     job_config = load_inference_config(rest)
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    tokenizer = tokenizer_from_config(job_config.data)  # data.eos_token / bos_token apply, as in training
     text = open(ns.prompt_file, encoding="utf-8").read() if ns.prompt_file else ns.prompt
     prefix = {"eos": [tokenizer.eos_id], "bos": [tokenizer.bos_id], "none": []}[ns.prefix]
     ids = prefix + tokenizer.encode(text)
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(ns.device)
     args = resolve_inference_args(job_config, ns.checkpoint, len(ids) + ns.max_new_tokens)
     if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} tokens, the model {args.vocab_size} rows")
+        raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} tokens, the model only {args.vocab_size} embedding "
+                          "rows: pass the tokenizer the model was trained with (--data.tokenizer)")
     torch.manual_seed(ns.seed)  # random init (no checkpoint) is reproducible too
     model = build_inference_model(args, ns.checkpoint, device)
     bf16 = ns.dtype == "bf16" and device.type == "cuda"

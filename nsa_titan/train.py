@@ -38,12 +38,13 @@ from nsa_titan.components.runtime import (
 )
 from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
-from nsa_titan.data import build_dataloader, build_tokenizer, retrieval_accuracy
+from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
 from nsa_titan.data.documents import add_document_inputs
 from nsa_titan.errors import EXIT_CONFIG, EXIT_INTERRUPTED, TrainingFailure
 from nsa_titan.fault import Preempted, Resilience, TrainHooks, collective_failure_hint
 from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
+from nsa_titan.models.nsa.local_attention import describe as describe_attention
 from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, parallelize_nsa
 
 
@@ -58,7 +59,8 @@ def resolve_model_args(job_config: JobConfig, vocab_needed: int) -> NSAModelArgs
     if vocab_needed > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the tokenizer ({job_config.data.tokenizer!r}) has {vocab_needed} tokens but the "
-            f"model only {args.vocab_size} embedding rows; pass --model.vocab_size {vocab_needed} (or larger)"
+            f"model only {args.vocab_size} embedding rows; pass --model.vocab_size {vocab_needed} (or larger, e.g. "
+            f"{-(-vocab_needed // 64) * 64}, a multiple of 64)"
         )
     return args
 
@@ -138,7 +140,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     if tc.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    try:  # a missing, unreadable or mis-configured tokenizer is a settings mistake (exit 2), found before the model
+        tokenizer = tokenizer_from_config(job_config.data)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
     model_args = resolve_model_args(job_config, tokenizer.vocab_size)
     # Checkpointing + failure handling; checks the resume source now, before the model is built.
     res = Resilience(job_config, rank=world.rank, world_size=world.world_size, model_args=model_args,
@@ -155,13 +160,17 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         train_loader = build_dataloader(job_config.data, tokenizer, seq_len=tc.seq_len,
                                         local_batch_size=tc.local_batch_size, rank=dp_rank,
                                         world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn,
-                                        window=model_args.window)
+                                        window=model_args.window, num_workers=job_config.data.num_workers,
+                                        log=functools.partial(_print0, world))
         val_batches = (_fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn, model_args.window)
                        if mc.val_freq > 0 else [])
     except ConfigError:
         raise
-    except ValueError as e:  # the data package names the key (data.path, training.seq_len, ...) and the fix
+    except (ValueError, ImportError) as e:  # the data package names the key (data.path, ...) and the fix
         raise ConfigError(str(e)) from None
+    _print0(world, f"data: {job_config.data.dataset} | tokenizer {tokenizer!r} (eos {tokenizer.eos_id}) | "
+                   + (f"torchdata StatefulDataLoader, {train_loader.num_workers} worker(s)/rank"
+                      if train_loader.use_torchdata else "inline loader"))
     # The process group only now: every rank got this far, so a config or data error above fails each rank
     # alone instead of leaving the others waiting for it.
     start_process_group(world, device, timeout_s=job_config.fault.collective_timeout_s)
@@ -181,8 +190,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         "training_flops_per_token": flops_per_token,
         "attn_impl": attn_impl,
     }
+    kernels = describe_attention(model_args.attn_type, attn_impl, device.type, tc.mixed_precision)
     impl_text = attn_impl + (f" ({model_args.attn_impl})" if attn_impl != model_args.attn_impl else "")
-    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={impl_text}): "
+    _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={impl_text}"
+                   f"{', ' + kernels if kernels else ''}): "
                    f"{model_info['params'] / 1e6:.2f}M params excl. embedding "
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "

@@ -18,7 +18,9 @@ TINY = ("--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 
         "--model.ffn_hidden_dim 96 --model.cmp_block 8 --model.cmp_stride 4 --model.slc_block 16 "
         "--model.slc_top_n 3 --model.window 24 --model.attn_impl torch --training.seq_len 64 "
         "--training.local_batch_size 2 --training.device cpu --metrics.log_freq 1 "
-        "--lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3").split()
+        "--lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3 --data.num_workers 0").split()
+# data.num_workers 0: torchdata's loader (when installed) runs in-process; forking loader workers for every
+# tiny run would cost more than the run. The worker paths have their own tests (test_data*.py).
 STEPS = 20
 
 
@@ -71,7 +73,7 @@ def free_port() -> int:
 
 
 def run_ranks(scenario: str, step: int, argv: list[str], *, tmp_path: Path, world: int = 2,
-              worker_opts: tuple[str, ...] = (), timeout: float = 300) -> list[dict]:
+              worker_opts: tuple[str, ...] = (), timeout: float = 300, env: dict[str, str] | None = None) -> list[dict]:
     """``world`` gloo ranks of the worker (as torchrun would start them); per rank: returncode, stdout, stderr,
     and seconds until it exited. Output goes to files: a rank blocked on a full pipe would stall the others."""
     import time
@@ -80,10 +82,10 @@ def run_ranks(scenario: str, step: int, argv: list[str], *, tmp_path: Path, worl
     procs, files = [], []
     for r in range(world):
         out, err = open(tmp_path / f"rank{r}.out", "w+"), open(tmp_path / f"rank{r}.err", "w+")
-        env = subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=str(port))
+        rank_env = subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port), **(env or {}))
         cmd = [sys.executable, str(WORKER), scenario, str(step), *worker_opts, "--", *argv]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err))
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err))
         files.append((out, err))
     start, ended = time.monotonic(), [None] * world
     while any(e is None for e in ended):

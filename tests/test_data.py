@@ -321,33 +321,7 @@ def test_retrieval_accuracy_counts_each_query():
     assert [t.item() for t in retrieval_accuracy(logits, labels, torch.tensor([False, True, False]))] == [2, 2]
 
 
-# ---------------------------------------------------------------- HF datasets (faked module)
-
-def _fake_datasets(monkeypatch, rows):
-    mod = types.ModuleType("datasets")
-    mod.load_dataset = lambda *a, **kw: list(rows)
-    monkeypatch.setitem(sys.modules, "datasets", mod)
-
-
-def test_hf_streaming_source_and_resume(monkeypatch):
-    rows = [{"text": f"example {i} " * (1 + i % 5)} for i in range(50)]
-    _fake_datasets(monkeypatch, rows)
-    c = cfg(dataset="hf", path="some/dataset", val_fraction=0.2)
-    kw = dict(seq_len=24, local_batch_size=2, rank=1, world_size=2)
-    loader = build_dataloader(c, TOK, **kw)
-    first = take(loader, 6)
-    text = TOK.decode(first[0]["input"][0].tolist())
-    assert "example" in text and first[0]["input"].shape == (2, 24)
-    fresh = build_dataloader(c, TOK, **kw)
-    take(fresh, 2)
-    state = fresh.state_dict()
-    again = build_dataloader(c, TOK, **kw)
-    again.load_state_dict(state)
-    for x, y in zip(first[2:], take(again, 4)):  # crosses the end of the 50-row stream
-        assert torch.equal(x["input"], y["input"])
-    with pytest.raises(ValueError, match="hf_text_field"):
-        next(build_dataloader(cfg(dataset="hf", path="x", hf_text_field="body"), TOK, seq_len=8, local_batch_size=1))
-
+# ---------------------------------------------------------------- HF datasets (real ones: tests/test_data_hf.py)
 
 def test_hf_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
@@ -395,3 +369,38 @@ def test_ids_beyond_vocab_rejected():
         vocab_size = 100  # claims fewer ids than the bytes it emits
     with pytest.raises(ValueError, match="data.tokenizer.*vocab_size 100"):
         tokenize_documents([b"hello"], BadTok())
+
+
+# ---------------------------------------------------------------- torchdata's StatefulDataLoader
+
+def test_torchdata_workers_give_the_inline_batches_and_resume_exactly(text_dir):
+    pytest.importorskip("torchdata")
+    c = cfg(dataset="text_files", path=str(text_dir), retrieval_mix=0.3)
+    kw = dict(seq_len=64, local_batch_size=6, rank=1, world_size=2, seed=7)
+    inline = take(build_dataloader(c, TOK, **kw), 8)
+    loader = build_dataloader(c, TOK, num_workers=2, **kw)
+    assert loader.use_torchdata and loader.num_workers == 2
+    got = take(loader, 5)
+    import json
+
+    state = json.loads(json.dumps(loader.state_dict()))  # checkpoints hold JSON, never pickles
+    assert state["torchdata"] is not None
+    got += take(loader, 3)
+    for x, y in zip(inline, got):  # workers build batches in any order; the loader yields them in order
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    for saved in (state, {**state, "torchdata": None}):  # torchdata's own state, or the position alone
+        again = build_dataloader(c, TOK, num_workers=2, **kw)
+        again.load_state_dict(saved)
+        for x, y in zip(inline[5:], take(again, 3)):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_without_torchdata_the_loader_runs_inline_and_says_so(text_dir, monkeypatch):
+    import nsa_titan.data.dataloader as dl
+
+    monkeypatch.setattr(dl, "torchdata_available", lambda: False)
+    lines = []
+    loader = build_dataloader(cfg(dataset="text_files", path=str(text_dir)), TOK, seq_len=32, local_batch_size=2,
+                              num_workers=2, log=lines.append)
+    assert not loader.use_torchdata and next(loader)["input"].shape == (2, 32)
+    assert len(lines) == 1 and "torchdata is not installed" in lines[0] and "pip install torchdata" in lines[0]

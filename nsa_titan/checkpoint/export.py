@@ -1,7 +1,14 @@
 """Model-only export for inference: one ``model.safetensors`` (bf16 by default) with Hugging Face style
-names, plus ``config.json`` (the NSAModelArgs and the name map).
+names, plus ``config.json`` (the NSAModelArgs and the name map) that ``transformers`` reads:
 
-    python -m nsa_titan.checkpoint.export OUTPUTS/checkpoints/step-00001000 [OUT_DIR] [--dtype bf16|fp32]
+- an NSA model: ``config.json`` has ``model_type: "nsa_titan"`` and an ``auto_map`` naming the classes of
+  ``modeling_nsa.py`` (copied beside it from ``nsa_titan/checkpoint/hf/``: plain PyTorch, no nsa_titan
+  import), so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it;
+- a dense model (``attn_type = "dense"``, value head dim = key head dim): a plain Llama checkpoint
+  (``LlamaForCausalLM``; the fused ``kv_proj`` is split into ``k_proj`` / ``v_proj``), loadable without remote code.
+
+    python -m nsa_titan.checkpoint.export OUTPUTS/checkpoints/step-00001000 [OUT_DIR] [--dtype bf16|fp32] \
+        [--tokenizer TOKENIZER_FOLDER]
 
 Names follow the Llama convention where a Llama counterpart exists (``model.embed_tokens``,
 ``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj`` ...); NSA's own tensors keep their module names
@@ -75,9 +82,50 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_device))
 
 
+MODELING_FILE = Path(__file__).with_name("hf") / "modeling_nsa.py"
+
+
+def is_llama(model_args: dict[str, Any]) -> bool:
+    """Dense attention with equal key and value head dims is exactly Llama's architecture."""
+    return model_args.get("attn_type") == "dense" and model_args.get("v_head_dim") in (None, model_args["head_dim"])
+
+
+def hf_config(model_args: dict[str, Any], dtype: str, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
+    """The transformers-facing part of config.json (Llama's names where they apply)."""
+    a = model_args
+    cfg: dict[str, Any] = {
+        "vocab_size": a["vocab_size"], "hidden_size": a["dim"], "intermediate_size": a["ffn_hidden_dim"],
+        "num_hidden_layers": a["n_layers"], "num_attention_heads": a["n_heads"], "num_key_value_heads": a["n_kv_heads"],
+        "head_dim": a["head_dim"], "max_position_embeddings": a["max_seq_len"], "rms_norm_eps": a["norm_eps"],
+        "rope_theta": a["rope_theta"], "tie_word_embeddings": False,
+        # dtype: transformers 5; torch_dtype: the name transformers 4 reads.
+        "dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        **(special_ids or {}),
+    }
+    if is_llama(a):
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
+                   mlp_bias=False, rope_parameters={"rope_type": "default", "rope_theta": a["rope_theta"]})
+    else:
+        cfg.update(architectures=["NSAForCausalLM"], model_type="nsa_titan", use_cache=False,
+                   auto_map={"AutoConfig": "modeling_nsa.NSAConfig",
+                             "AutoModelForCausalLM": "modeling_nsa.NSAForCausalLM"})
+    return cfg
+
+
+def _split_kv(tensors: dict[str, torch.Tensor], model_args: dict[str, Any]) -> None:
+    """Llama layout: our fused kv_proj rows are [head][k dims, v dims]; Llama has k_proj and v_proj."""
+    hkv, dk = model_args["n_kv_heads"], model_args["head_dim"]
+    for name in [n for n in tensors if n.endswith("self_attn.kv_proj.weight")]:
+        w = tensors.pop(name).view(hkv, 2 * dk, -1)
+        tensors[name.replace("kv_proj", "k_proj")] = w[:, :dk].reshape(hkv * dk, -1).contiguous()
+        tensors[name.replace("kv_proj", "v_proj")] = w[:, dk:].reshape(hkv * dk, -1).contiguous()
+
+
 def write_export(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, model_args: dict[str, Any],
-                 dtype: str = "bf16") -> Path:
-    """Write ``state`` (clean names) as ``out_dir/model.safetensors`` + ``config.json``, atomically."""
+                 dtype: str = "bf16", special_ids: dict[str, int] | None = None) -> Path:
+    """Write ``state`` (clean names) as ``out_dir/model.safetensors`` + ``config.json`` (+ ``modeling_nsa.py``
+    unless it is a Llama checkpoint), atomically. ``special_ids``: e.g. {"eos_token_id": 2} for generate()."""
     st = require_safetensors()
     if dtype not in _DTYPES:
         raise ValueError(f"checkpoint.export_dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -91,13 +139,19 @@ def write_export(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, 
             raise ValueError(f"export: {name!r} and another tensor both map to {new!r}")
         tensors[new] = t.detach().to("cpu", _DTYPES[dtype]).contiguous()
         names[new] = name
+    llama = is_llama(model_args)
+    if llama:  # names maps exported tensors back to ours; the split k/v halves have no single counterpart
+        _split_kv(tensors, model_args)
+        names = {k: v for k, v in names.items() if k in tensors}
     tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     st.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "dtype": dtype})
-    config = {"architectures": ["NSATransformer"], "model_type": "nsa", "torch_dtype":
-              {"bf16": "bfloat16", "fp32": "float32"}[dtype], "nsa_model_args": model_args, "names": names}
+    # nsa_model_args and names: what nsa_titan's own loaders read (generate, evals); transformers ignores them.
+    config = {**hf_config(model_args, dtype, special_ids), "nsa_model_args": model_args, "names": names}
     (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if not llama:
+        shutil.copyfile(MODELING_FILE, tmp / "modeling_nsa.py")
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)
@@ -114,9 +168,27 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, model_args: di
     return write_export(state, out_dir, model_args=model_args, dtype=dtype)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_extras(tokenizer_path: str | None, eos_token: str | None = None) -> tuple[dict[str, int], list[Path]]:
+    """(special token ids for config.json, tokenizer files to copy) of a tokenizer folder or tokenizer.json, so
+    that transformers' generate() stops at its EOS and AutoTokenizer loads from the export folder."""
+    if not tokenizer_path:
+        return {}, []
+    from nsa_titan.data import build_tokenizer  # noqa: PLC0415 - the data package is only needed here
+
+    tok = build_tokenizer(tokenizer_path, eos_token=eos_token)
+    ids = {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id}
+    p = Path(tokenizer_path)
+    files = [p / n for n in _TOKENIZER_FILES if (p / n).is_file()] if p.is_dir() else [p] if p.suffix == ".json" else []
+    return ids, files
+
+
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                      dtype: str = "bf16") -> Path:
-    """Offline: read the model part of a DCP checkpoint in this single process and export it."""
+                      dtype: str = "bf16", tokenizer: str | None = None) -> Path:
+    """Offline: read the model part of a DCP checkpoint in this single process and export it (with the files of
+    ``tokenizer``, a tokenizer folder or tokenizer.json, when given)."""
     require_safetensors()
     path = Path(checkpoint)
     meta, problem = inspect_checkpoint(path)
@@ -129,7 +201,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike 
     state = {"model": model.state_dict()}
     load_tensors(state, path, no_dist=True)  # reads (and reshards) only the model tensors; unpickles no code
     out = Path(out_dir) if out_dir else path.with_name(export_dir_name(path.name))
-    return write_export(state["model"], out, model_args=meta["model_args"], dtype=dtype)
+    special_ids, files = tokenizer_extras(tokenizer)
+    out = write_export(state["model"], out, model_args=meta["model_args"], dtype=dtype, special_ids=special_ids)
+    for f in files:  # a lone tokenizer file is copied under the name transformers looks for
+        shutil.copyfile(f, out / (f.name if Path(tokenizer).is_dir() else "tokenizer.json"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a complete step-NNNNNNNN checkpoint folder")
     parser.add_argument("out_dir", nargs="?", help="output folder (default: export-<name> beside the checkpoint)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json the model was trained with: its files "
+                                            "are copied and its EOS/BOS ids written to config.json")
     ns = parser.parse_args(argv)
     try:
-        out = export_checkpoint(ns.checkpoint, ns.out_dir, ns.dtype)
+        out = export_checkpoint(ns.checkpoint, ns.out_dir, ns.dtype, tokenizer=ns.tokenizer)
     except (ImportError, ValueError) as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2

@@ -253,4 +253,7 @@ def reshard_loader_state(saved: dict[str, Any], mine: dict[str, Any]) -> dict[st
     for key in ("rank", "world_size", "chunks_per_rank"):
         out[key] = mine[key]
     out["sample_index"] = consumed // int(mine["world_size"])
+    # The loader's own states (torchdata's, a stream's) describe the saved ranks' streams: not carried over (an
+    # in-memory corpus continues from the position; a streamed one cannot, and its loader says so).
+    out.update(torchdata=None, stream=None, start=out["sample_index"])
     return out

@@ -166,11 +166,33 @@ class Data:
     """Folder/glob for 'text_files', dataset name for 'hf'; for 'retrieval', files whose text fills the
     gap between the key-value pairs and the query (None: random letters); unused by 'stdlib'."""
     tokenizer: str = "byte"
-    """'byte' (256 bytes + 4 specials, no download) or the path of a Hugging Face tokenizer.json."""
+    """'byte' (256 bytes + 4 specials, no download), a Hugging Face tokenizer.json, a tokenizer folder
+    (tokenizer.json + tokenizer_config.json / special_tokens_map.json, whose special tokens are used) or a
+    *.tiktoken BPE file (needs `pip install tiktoken`). Its vocabulary must fit model.vocab_size."""
+    eos_token: str | None = None
+    """End-of-text token packed between documents (e.g. '</s>'). None: the tokenizer folder's configured
+    eos_token, else a well-known name (<|endoftext|>, </s>, ...); for a *.tiktoken file '<|endoftext|>'."""
+    bos_token: str | None = None
+    """Begin-of-text token (retrieval samples and `generate --prefix bos` start with it). None: the
+    tokenizer's configured or a well-known one, else the EOS token."""
     hf_split: str = "train"
-    """Split of the 'hf' dataset."""
+    """Split of the 'hf' dataset to train on (e.g. 'train')."""
     hf_text_field: str = "text"
-    """Column holding the text in the 'hf' dataset."""
+    """Field holding the text: a column of the 'hf' dataset or of parquet/arrow files, the key of each line of
+    .jsonl files (also for 'text_files')."""
+    hf_config: str | None = None
+    """Configuration (subset) name of a Hub dataset, e.g. 'en' for allenai/c4 (None: its default)."""
+    val_path: str | None = None
+    """A separate validation set: files, a folder or glob, or a Hub name (read like data.path). None: validation
+    is held out of data.path by data.val_fraction (or is data.val_split, when set)."""
+    val_split: str | None = None
+    """Split of the 'hf' dataset (data.val_path, else data.path) used for validation, e.g. 'validation'. Set
+    either val_path or val_split to train on all of data.path (data.val_fraction is then unused)."""
+    num_workers: int = 2
+    """Loader worker processes per rank that read, tokenize and pack batches ahead of the step (torchdata's
+    StatefulDataLoader; 0: in the training process). Without torchdata the loader runs inline."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (with num_workers > 0)."""
     val_fraction: float = 0.01
     """Fraction of the corpus held out for validation, in [0, 1)."""
     retrieval_num_pairs: int = 16
@@ -213,7 +235,19 @@ class Data:
             # Checked here so that a typo fails at start-up, not after the model is built on the GPU.
             _check(os.path.exists(self.path) or bool(glob.glob(self.path)), "data.path",
                    f"{self.path!r} does not exist and matches no files; pass a text file, a folder or a glob")
-        _check(bool(self.tokenizer), "data.tokenizer", "must not be empty; use 'byte' or a tokenizer.json path")
+        _check(bool(self.tokenizer), "data.tokenizer",
+               "must not be empty; use 'byte', a tokenizer.json or a tokenizer folder")
+        _check(self.num_workers >= 0, "data.num_workers",
+               f"must be >= 0 (0: no worker processes), got {self.num_workers}")
+        _check(self.prefetch_factor >= 1, "data.prefetch_factor", f"must be >= 1, got {self.prefetch_factor}")
+        if self.val_path:
+            _check(self.dataset in ("text_files", "hf"), "data.val_path", "is for data.dataset 'text_files' or 'hf'; "
+                   f"{self.dataset!r} holds out data.val_fraction of its own text")
+        if self.val_path and self.dataset == "text_files":
+            _check(os.path.exists(self.val_path) or bool(glob.glob(self.val_path)), "data.val_path",
+                   f"{self.val_path!r} does not exist and matches no files; pass a text file, a folder or a glob")
+        _check(self.val_split is None or self.dataset == "hf", "data.val_split",
+               f"is a split of an 'hf' dataset, not of data.dataset={self.dataset!r}; use data.val_path instead")
         _check(0 <= self.val_fraction < 1, "data.val_fraction",
                f"must be in [0, 1), got {self.val_fraction}; e.g. --data.val_fraction 0.01")
         for name in ("retrieval_num_pairs", "retrieval_num_queries", "retrieval_key_len", "retrieval_value_len"):

@@ -6,12 +6,14 @@ import the config module, and tests can pass a SimpleNamespace.
 
 from __future__ import annotations
 
-import functools
 import types
 
-from .corpus import hf_documents, stdlib_documents, text_file_documents, tokenize_documents
-from .loader import PackedTextDataset, StatefulLoader, StreamingPackedDataset
+from .corpus import stdlib_documents, text_file_documents, tokenize_documents
+from .dataloader import StatefulLoader
+from .hf_source import HFSource
+from .loader import BatchAssembler, MapBatches, PackedTextDataset
 from .retrieval import RetrievalTask
+from .stream import PackedStream
 
 __all__ = ["DATASETS", "DATA_DEFAULTS", "build_dataloader", "retrieval_task_kwargs"]
 
@@ -24,6 +26,10 @@ DATA_DEFAULTS = types.MappingProxyType({
     "tokenizer": "byte",
     "hf_split": "train",
     "hf_text_field": "text",
+    "hf_config": None,
+    "val_path": None,
+    "val_split": None,
+    "prefetch_factor": 2,
     "val_fraction": 0.01,
     "retrieval_num_pairs": 16,
     "retrieval_num_queries": 16,
@@ -43,7 +49,7 @@ def _cfg(data_cfg, name):
 def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int, rank: int = 0,
                      world_size: int = 1, seed: int = 42, split: str = "train",
                      vocab_size: int | None = None, pin_memory: bool | None = None, report=None,
-                     window: int | None = None) -> StatefulLoader:
+                     window: int | None = None, num_workers: int | None = None, log=None) -> StatefulLoader:
     """Loader for this rank's shard of ``split`` ("train" or "val").
 
     Both splits are infinite: train reshuffles documents every epoch; val is read in a
@@ -51,7 +57,10 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     the same batches each time). ``vocab_size`` (the model's) is checked against the
     tokenizer when given. ``report``: where warnings about skipped files go (default: warnings.warn).
     ``window`` (the model's sliding window) is the retrieval task's gap when ``data.retrieval_min_gap`` is None.
-    Corpus text is read and tokenized here, once, and kept by the returned loader.
+    In-memory corpora (stdlib, text_files) are read and tokenized here, once, and kept by the loader;
+    "hf" data are streamed: only this rank's shards are read, tokenized where the batches are built.
+    ``num_workers``: None builds batches inline; an int uses torchdata's StatefulDataLoader with that many
+    worker processes when torchdata is installed (``log`` says when it is not).
     """
     dataset = _cfg(data_cfg, "dataset")
     if dataset not in DATASETS:
@@ -79,34 +88,49 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     path = _cfg(data_cfg, "path")
     if dataset in ("text_files", "hf") and not path:
         raise ValueError(f"data.path is required for data.dataset={dataset!r}; set it to the text to train on")
+    val_path, val_split = _cfg(data_cfg, "val_path"), _cfg(data_cfg, "val_split")
+    separate_val = bool(val_path or val_split)  # then nothing is held out of data.path
+    text_field = _cfg(data_cfg, "hf_text_field")
 
     text = None
     filler = None
-    uses_retrieval = dataset == "retrieval" or mix > 0.0
-    corpus = None
+    # Each rank reads and tokenizes only its own documents (shard); its chunks are then all its own.
+    shard = (int(rank), int(world_size))
+    filler_kind = _cfg(data_cfg, "retrieval_filler")
     if dataset == "text_files" or (dataset == "retrieval" and path):
-        corpus = tokenize_documents(text_file_documents(path, split, val_fraction, on_error=_cfg(data_cfg, "on_error"),
-                                                        report=report), tokenizer)
-    elif dataset == "stdlib" or (dataset == "retrieval" and _cfg(data_cfg, "retrieval_filler") == "corpus"):
-        corpus = tokenize_documents(stdlib_documents(split, val_fraction), tokenizer)
-    if dataset == "hf":
-        factory = functools.partial(_hf_epoch_docs, path, _cfg(data_cfg, "hf_split"),
-                                    _cfg(data_cfg, "hf_text_field"), split, val_fraction, seed)
-        text = StreamingPackedDataset(factory, tokenizer, seq_len, rank=rank, world_size=world_size)
-    elif dataset != "retrieval":
-        text = PackedTextDataset(corpus, seq_len, rank=rank, world_size=world_size, seed=seed,
-                                 shuffle=(split == "train"))
-    if corpus is not None and _cfg(data_cfg, "retrieval_filler") == "corpus":
+        if separate_val:  # all of data.path trains; data.val_path is the val set
+            src, part, frac = (val_path if split == "val" else path), "train", 0.0
+        else:
+            src, part, frac = path, split, val_fraction
+        corpus = tokenize_documents(text_file_documents(src, part, frac, on_error=_cfg(data_cfg, "on_error"),
+                                                        report=report, text_field=text_field, shard=shard), tokenizer)
+    elif dataset == "stdlib" or (dataset == "retrieval" and filler_kind == "corpus"):
+        corpus = tokenize_documents(stdlib_documents(split, val_fraction, shard=shard), tokenizer)
+    else:
+        corpus = None
+    if dataset != "retrieval" and dataset != "hf":
+        text = PackedTextDataset(corpus, seq_len, rank=0, world_size=1, seed=seed, shuffle=(split == "train"))
+    if corpus is not None and filler_kind == "corpus":
         filler = corpus.tokens  # retrieval filler is real text when we have it
 
     retrieval = None
-    if uses_retrieval:
+    if dataset == "retrieval" or mix > 0.0:
         # Raises now, not mid-training, if the layout cannot fit seq_len.
         retrieval = RetrievalTask(tokenizer, seq_len, **retrieval_task_kwargs(data_cfg, window), seed=seed,
                                   stream=1 if split == "val" else 0, filler_tokens=filler,
                                   filler_eos_id=None if corpus is None else corpus.eos_id)
-    return StatefulLoader(text, retrieval, seq_len=seq_len, batch_size=local_batch_size, retrieval_mix=mix,
-                          seed=seed, rank=rank, world_size=world_size, split=split, pin_memory=pin_memory)
+    assembler = BatchAssembler(retrieval, seq_len=seq_len, batch_size=local_batch_size, retrieval_mix=mix, seed=seed,
+                               rank=rank, world_size=world_size, split=split, has_text=dataset != "retrieval")
+    if dataset == "hf":
+        dataset_obj = PackedStream(_hf_source(data_cfg, split, rank, world_size, seed, val_fraction, log), tokenizer,
+                                   assembler)
+    else:
+        dataset_obj = MapBatches(text, assembler)
+    identity = {"seed": int(seed), "rank": int(rank), "world_size": int(world_size), "seq_len": int(seq_len),
+                "split": split, "retrieval_mix": assembler.retrieval_mix,
+                "chunks_per_rank": None if text is None else text.chunks_per_rank}
+    return StatefulLoader(dataset_obj, identity=identity, num_workers=_workers(num_workers, dataset_obj, log),
+                          prefetch_factor=int(_cfg(data_cfg, "prefetch_factor")), pin_memory=pin_memory, log=log)
 
 
 def retrieval_task_kwargs(data_cfg, window: int | None) -> dict:
@@ -124,6 +148,32 @@ def retrieval_task_kwargs(data_cfg, window: int | None) -> dict:
             "min_gap": int(gap)}
 
 
-def _hf_epoch_docs(path, hf_split, text_field, split, val_fraction, seed, epoch):
-    return hf_documents(path, hf_split=hf_split, text_field=text_field, split=split,
-                        val_fraction=val_fraction, seed=seed, epoch=epoch)
+def _hf_source(data_cfg, split, rank, world_size, seed, val_fraction, log) -> HFSource:
+    """This rank's share of the train or val documents of an "hf" dataset."""
+    path, val_path, val_split = _cfg(data_cfg, "path"), _cfg(data_cfg, "val_path"), _cfg(data_cfg, "val_split")
+    hf_split, holdout = _cfg(data_cfg, "hf_split"), None
+    if split == "val" and (val_path or val_split):
+        path, hf_split = val_path or path, val_split or hf_split
+    elif not (val_path or val_split):
+        if split == "val" and val_fraction == 0.0:
+            raise ValueError("split=\"val\" needs data.val_fraction > 0 (e.g. 0.01), data.val_path or data.val_split; "
+                             "none is set, so there is no held-out text")
+        holdout = (split, val_fraction) if val_fraction > 0 else None
+    source = HFSource(path, config=_cfg(data_cfg, "hf_config"), hf_split=hf_split,
+                      text_field=_cfg(data_cfg, "hf_text_field"), rank=rank, world_size=world_size, seed=seed,
+                      shuffle=split == "train", holdout=holdout)
+    if source.note and log is not None and split == "train":
+        log(f"WARNING: {source.note}")
+    return source
+
+
+def _workers(num_workers: int | None, dataset_obj, log) -> int | None:
+    """A stream splits its shards over the workers: more workers than shards would leave some without data."""
+    if num_workers is None or isinstance(dataset_obj, MapBatches):
+        return num_workers
+    shards = dataset_obj.source.open(0).n_shards
+    if num_workers > shards:
+        if log is not None:
+            log(f"data: {shards} shard(s) on this rank for data.num_workers={num_workers}: using {shards} worker(s)")
+        return shards
+    return num_workers

@@ -12,11 +12,12 @@ listing order or on ``PYTHONHASHSEED``.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sysconfig
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,6 @@ import numpy as np
 __all__ = [
     "TEXT_EXTENSIONS",
     "TokenCorpus",
-    "hf_documents",
     "in_split",
     "stdlib_documents",
     "text_file_documents",
@@ -35,7 +35,6 @@ __all__ = [
 TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".rs", ".go", ".js", ".ts",
                    ".java", ".tex", ".html", ".css", ".toml", ".yaml", ".yml", ".json", ".jsonl", ".csv")
 _HASH_BUCKETS = 1_000_000
-_HF_INSTALL_HINT = "pip install nsa_titan[hf]"
 
 
 def in_split(key: str, split: str, val_fraction: float) -> bool:
@@ -85,8 +84,10 @@ def _report_bad_files(path: str, bad: list[tuple[str, str]], total: int, on_erro
            f"{shown} (data.on_error = \"fail\" stops on such files instead)")
 
 
-def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[bytes]:
-    """All UTF-8 ``*.py`` files of this interpreter's standard library, sorted by relative path."""
+def stdlib_documents(split: str = "train", val_fraction: float = 0.01, *,
+                     shard: tuple[int, int] = (0, 1)) -> list[bytes]:
+    """All UTF-8 ``*.py`` files of this interpreter's standard library, sorted by relative path (``shard`` =
+    (rank, ranks): every ranks-th of the split's files from the rank-th, so a rank reads only its own)."""
     _check_split(split, val_fraction)
     root = sysconfig.get_paths()["stdlib"]
     rels: list[str] = []
@@ -99,14 +100,35 @@ def stdlib_documents(split: str = "train", val_fraction: float = 0.01) -> list[b
                 rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     rels.sort()
     docs = []
-    for rel in rels:
-        if in_split(rel, split, val_fraction):
-            data = _read_utf8(os.path.join(root, rel))
-            if data:
-                docs.append(data)
+    for rel in _shard([r for r in rels if in_split(r, split, val_fraction)], shard):
+        data = _read_utf8(os.path.join(root, rel))
+        if data:
+            docs.append(data)
     if not docs:
-        raise ValueError(f"data.dataset=\"stdlib\": no UTF-8 .py files found under {root!r} for split={split!r}")
+        raise ValueError(f"data.dataset=\"stdlib\": no UTF-8 .py files found under {root!r} for split={split!r}"
+                         f"{_rank_note(shard)}")
     return docs
+
+
+def _shard(items: list, shard: tuple[int, int]) -> list:
+    rank, ranks = shard
+    return items[rank::ranks]
+
+
+def _rank_note(shard: tuple[int, int]) -> str:
+    return f" on rank {shard[0]} of {shard[1]} (each rank reads 1/{shard[1]} of the documents: use fewer ranks)" \
+        if shard[1] > 1 else ""
+
+
+def _split_at_newlines(data: bytes, parts: int) -> list[bytes]:
+    """``data`` cut into ``parts`` pieces of about equal size, each cut just after a newline where there is one."""
+    cuts = [0]
+    for i in range(1, parts):
+        want = max(cuts[-1], len(data) * i // parts)
+        nl = data.find(b"\n", want)
+        cuts.append(len(data) if nl < 0 else nl + 1)
+    cuts.append(len(data))
+    return [data[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _list_text_files(path: str) -> list[str]:
@@ -123,15 +145,43 @@ def _list_text_files(path: str) -> list[str]:
     raise ValueError(f"data.path: {path!r} does not exist; set data.path to a text file, a directory or a glob")
 
 
+def _jsonl_documents(path: str, key: str, split: str, val_fraction: float, text_field: str
+                     ) -> tuple[list[bytes], str | None]:
+    """(documents, None) of a JSON-lines file: the ``text_field`` string of each line, each line split into
+    train/val by a hash of "<key>:<line number>"; or ([], why) when the file is not such a file."""
+    data, why = _read_text_file(path)
+    if why:
+        return [], why
+    docs = []
+    for n, line in enumerate(data.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            return [], f"line {n + 1} is not JSON ({e.msg})"
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            return [], f"line {n + 1} has no text field {text_field!r} (it has {fields}; set data.hf_text_field)"
+        if text and in_split(f"{key}:{n}", split, val_fraction):
+            docs.append(text.encode("utf-8"))
+    return docs, None
+
+
 def text_file_documents(path: str, split: str = "train", val_fraction: float = 0.01, *, on_error: str = "skip",
-                        report=None) -> list[bytes]:
+                        report=None, text_field: str = "text", shard: tuple[int, int] = (0, 1)) -> list[bytes]:
     """Documents from a directory (recursive, TEXT_EXTENSIONS), a glob, or a single file.
 
     Several files are split by a hash of their path relative to ``path``. A single file
     cannot be split that way, so its last ``val_fraction`` of bytes (cut at a newline)
-    is the val split and the rest is train. Files of the split that are not UTF-8 (or not
-    readable) are named through ``report`` (default: ``warnings.warn``) and skipped, or
-    raise a ValueError with ``on_error="fail"``; a single such file is always an error.
+    is the val split and the rest is train. A ``.jsonl`` file is a file of documents: the ``text_field`` of
+    each line, split line by line. Files of the split that are not UTF-8 (or not
+    readable, or JSON lines without the field) are named through ``report`` (default: ``warnings.warn``) and
+    skipped, or raise a ValueError with ``on_error="fail"``; a single such file is always an error.
+    ``shard`` = (rank, ranks): this rank's documents only (every ranks-th file of the split, or of the
+    documents of .jsonl files; a single text file is cut into ranks pieces at newlines), so that no rank
+    reads or tokenizes the whole corpus.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"data.on_error must be \"skip\" or \"fail\", got {on_error!r}")
@@ -141,7 +191,25 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
         raise ValueError("data.path is required for data.dataset=\"text_files\"; set it to a file, directory or glob")
     files = _list_text_files(path)
     base = path if os.path.isdir(path) else os.path.dirname(path)
-    if len(files) == 1:
+    if any(f.lower().endswith(".jsonl") for f in files):  # documents are lines: split per line, not per file
+        docs, bad = [], []
+        for f in files:
+            rel = os.path.relpath(f, base).replace(os.sep, "/")
+            if f.lower().endswith(".jsonl"):
+                got, why = _jsonl_documents(f, rel, split, val_fraction, text_field)
+            elif in_split(rel, split, val_fraction):
+                data, why = _read_text_file(f)
+                got = [data] if data else []
+            else:
+                got, why = [], None
+            if why:
+                bad.append((rel, why))
+            docs.extend(got)
+        if len(files) == 1 and bad:
+            raise ValueError(f"data.path: {files[0]} cannot be read as JSON lines ({bad[0][1]})")
+        _report_bad_files(path, bad, len(files), on_error, report)
+        docs = _shard(docs, shard)
+    elif len(files) == 1:
         data, why = _read_text_file(files[0])
         if why:
             raise ValueError(f"data.path: {files[0]} cannot be read as UTF-8 text ({why}); "
@@ -150,64 +218,26 @@ def text_file_documents(path: str, split: str = "train", val_fraction: float = 0
         nl = data.rfind(b"\n", 0, cut)
         cut = nl + 1 if nl > 0 else cut
         part = data[cut:] if split == "val" else data[:cut]
+        part = _split_at_newlines(part, shard[1])[shard[0]]
         docs = [part] if part else []
     else:
-        docs, bad, total = [], [], 0
-        for f in files:
-            if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction):
-                total += 1
-                data, why = _read_text_file(f)
-                if why:
-                    bad.append((os.path.relpath(f, base), why))
-                elif data:
-                    docs.append(data)
-        _report_bad_files(path, bad, total, on_error, report)
+        docs, bad = [], []
+        mine = _shard([f for f in files
+                       if in_split(os.path.relpath(f, base).replace(os.sep, "/"), split, val_fraction)], shard)
+        for f in mine:
+            data, why = _read_text_file(f)
+            if why:
+                bad.append((os.path.relpath(f, base), why))
+            elif data:
+                docs.append(data)
+        _report_bad_files(path, bad, len(mine), on_error, report)
     if not docs:
         raise ValueError(
-            f"data.path: no UTF-8 text found in {path!r} for split={split!r} ({len(files)} candidate files); "
+            f"data.path: no UTF-8 text found in {path!r} for split={split!r}{_rank_note(shard)} "
+            f"({len(files)} candidate files); "
             f"point data.path at text files ({', '.join(TEXT_EXTENSIONS[:4])}, ...) or lower/raise data.val_fraction"
         )
     return docs
-
-
-def hf_documents(path: str, *, hf_split: str = "train", text_field: str = "text", split: str = "train",
-                 val_fraction: float = 0.01, seed: int = 0, epoch: int = 0) -> Iterator[bytes]:
-    """Stream documents from HF ``datasets`` (hub name, local directory or local data file).
-
-    Train/val is decided by a hash of the example's text, so both splits can come from a
-    dataset that only has a "train" split. For the train split the
-    stream is shuffled per epoch (buffered shuffle, seeded by ``seed + epoch``).
-    """
-    _check_split(split, val_fraction)
-    if not path:
-        raise ValueError("data.path is required for data.dataset=\"hf\"; set it to a hub name or local files")
-    try:
-        import datasets  # noqa: PLC0415 - optional
-    except ImportError as e:
-        raise ImportError(f"data.dataset=\"hf\" needs the `datasets` package; "
-                          f"install it with `{_HF_INSTALL_HINT}`") from e
-    builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-    ext = os.path.splitext(path)[1].lower()
-    if os.path.isfile(path) and ext in builders:
-        ds = datasets.load_dataset(builders[ext], data_files=path, split=hf_split, streaming=True)
-    else:
-        ds = datasets.load_dataset(path, split=hf_split, streaming=True)
-    if split == "train" and hasattr(ds, "shuffle"):
-        ds = ds.shuffle(seed=seed + epoch, buffer_size=10_000)
-    # Everything above runs at call time (not lazily in a generator) so a missing package
-    # or dataset fails when the loader is built rather than at the first batch.
-    return _iter_hf_text(ds, text_field, split, val_fraction)
-
-
-def _iter_hf_text(ds, text_field: str, split: str, val_fraction: float) -> Iterator[bytes]:
-    for example in ds:
-        if text_field not in example:
-            raise ValueError(f"data.hf_text_field: examples have no field {text_field!r}; fields are {sorted(example)}")
-        text = example[text_field]
-        # Hash the text, not the stream position: after the per-epoch shuffle a position
-        # holds a different example, which would leak val documents into training.
-        if text and in_split(text[:4096], split, val_fraction):
-            yield text.encode("utf-8")
 
 
 @dataclass

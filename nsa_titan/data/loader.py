@@ -1,4 +1,4 @@
-"""Packing data loader with per-rank sharding and exact resume.
+"""In-memory packing with per-rank sharding, and the batch layout every data path shares.
 
 Everything a batch contains is a pure function of (seed, split, rank, world_size,
 sample position): document order of epoch e comes from ``default_rng([seed, e])``,
@@ -7,15 +7,13 @@ from ``default_rng([seed, stream, index])``. The loader's whole state is therefo
 sample position (epoch is derived from it); no RNG object needs saving, and a resumed
 loader reproduces exactly the batches the original would have produced.
 
-Sharding: the packed stream of an epoch is cut into chunks of ``seq_len + 1`` tokens;
-rank r of W owns chunks i with ``i % W == r``. Every rank gets the same number of chunks
-per epoch (the < W leftover chunks and the < seq_len+1 tail tokens are dropped), so ranks
-stay in lockstep and never hang a collective at an epoch boundary.
+Sharding: ``build_dataloader`` gives each rank its own documents (every W-th file, read and tokenized by
+that rank only) and a PackedTextDataset of rank 0 of 1 over them, so no rank holds the whole corpus. The
+class can also deal one corpus's chunks round-robin (rank r of W owns chunks i with ``i % W == r``, the same
+number per rank; the < W leftover chunks and the < seq_len+1 tail tokens are dropped).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -23,7 +21,7 @@ import torch
 from .corpus import TokenCorpus
 from .retrieval import IGNORE_INDEX, RetrievalTask
 
-__all__ = ["PackedTextDataset", "StatefulLoader", "StreamingPackedDataset"]
+__all__ = ["BatchAssembler", "MapBatches", "PackedTextDataset"]
 
 _M64 = (1 << 64) - 1
 
@@ -121,157 +119,67 @@ class PackedTextDataset:
         return int(position) // self.chunks_per_rank
 
 
-class StreamingPackedDataset:
-    """Sequential packing of a document stream too large to hold (HF ``streaming=True``).
+class BatchAssembler:
+    """Turns rank-local sample positions into a batch ``{"input", "labels", "is_retrieval"}``.
 
-    ``doc_factory(epoch)`` returns that epoch's documents; the stream simply continues into
-    the next epoch when one ends (no dropped tail). Random access is emulated: asking for a
-    position behind the cursor replays the stream from the start, so resume costs time
-    proportional to the position (exact, but slow for huge positions).
+    input: LongTensor [B, T]; labels: LongTensor [B, T], next-token targets with -100 where no loss applies
+    (everything but the answer in retrieval rows); is_retrieval: BoolTensor [B]. Sample k of this rank is a
+    retrieval sample when ``retrieval_mix``'s coin for its global index (k * world_size + rank) says so; its
+    text chunk is then not taken, which keeps positions (and resume) independent of earlier coins. Pure: the
+    same positions and text rows give the same batch in any process (loader workers included).
     """
 
-    def __init__(self, doc_factory: Callable[[int], Iterable[bytes]], tokenizer, seq_len: int, *,
-                 rank: int = 0, world_size: int = 1, docs_per_read: int = 64):
-        self.doc_factory, self.tok = doc_factory, tokenizer
-        self.chunk_len = int(seq_len) + 1
-        self.rank, self.world_size = int(rank), int(world_size)
-        self.docs_per_read = docs_per_read
-        self.chunks_per_rank = None  # unknown for a stream
-        self._restart()
-
-    def _restart(self) -> None:
-        self.epoch = 0
-        self._docs = iter(self.doc_factory(0))
-        self._epoch_tokens = 0
-        self._buf = np.zeros(0, np.int64)
-        self._next_chunk = 0  # global chunk index (all ranks) the buffer head corresponds to
-
-    def _fill(self) -> None:
-        pieces = [self._buf]
-        have = len(self._buf)
-        while have < self.chunk_len:
-            docs = []
-            for d in self._docs:
-                docs.append(d)
-                if len(docs) == self.docs_per_read:
-                    break
-            if not docs:  # epoch exhausted: continue with the next one
-                if self._epoch_tokens == 0:
-                    raise ValueError("data.path: the HF dataset yielded no text; check data.path, "
-                                     "data.hf_split and data.hf_text_field")
-                self.epoch += 1
-                self._epoch_tokens = 0
-                self._docs = iter(self.doc_factory(self.epoch))
-                continue
-            for ids in self.tok.encode_batch(docs):
-                if len(ids) and (int(np.max(ids)) >= self.tok.vocab_size or int(np.min(ids)) < 0):
-                    raise ValueError(f"data.tokenizer produced an id outside its vocab_size {self.tok.vocab_size}")
-                pieces += [np.asarray(ids, np.int64), np.array([self.tok.eos_id], np.int64)]
-                have += len(ids) + 1
-                self._epoch_tokens += len(ids) + 1
-        self._buf = np.concatenate(pieces)
-
-    def _take(self) -> np.ndarray:
-        self._fill()
-        chunk, self._buf = self._buf[:self.chunk_len], self._buf[self.chunk_len:]
-        self._next_chunk += 1
-        return chunk
-
-    def samples(self, indices: np.ndarray) -> np.ndarray:
-        out = []
-        for g in np.asarray(indices, dtype=np.int64).tolist():  # host sync ok: numpy host data
-            target = g * self.world_size + self.rank
-            if target < self._next_chunk:
-                self._restart()
-            while self._next_chunk < target:
-                self._take()
-            out.append(self._take())
-        return np.stack(out) if out else np.zeros((0, self.chunk_len), np.int64)
-
-    def epoch_of(self, position: int) -> int:
-        return self.epoch
-
-
-class StatefulLoader:
-    """Infinite iterator of batches ``{"input", "labels", "is_retrieval"}`` with exact resume.
-
-    input: LongTensor [B, T]; labels: LongTensor [B, T], next-token targets with -100
-    where no loss applies (everything but the answer in retrieval rows); is_retrieval:
-    BoolTensor [B]. Sample k of this rank's stream is retrieval when ``retrieval_mix``'s
-    coin for its global index (k * world_size + rank) says so; that sample's text chunk
-    is then skipped, which keeps positions (and resume) independent of earlier coins.
-    """
-
-    def __init__(self, text, retrieval: RetrievalTask | None, *, seq_len: int, batch_size: int,
-                 retrieval_mix: float = 0.0, seed: int = 42, rank: int = 0, world_size: int = 1,
-                 split: str = "train", pin_memory: bool | None = None):
-        if text is None and retrieval is None:
-            raise ValueError("StatefulLoader needs a text source, a retrieval task, or both")
-        self.text, self.retrieval = text, retrieval
+    def __init__(self, retrieval: RetrievalTask | None, *, seq_len: int, batch_size: int, retrieval_mix: float,
+                 seed: int, rank: int, world_size: int, split: str, has_text: bool):
+        self.retrieval = retrieval
         self.seq_len, self.batch_size = int(seq_len), int(batch_size)
-        self.retrieval_mix = 1.0 if text is None else float(retrieval_mix)
+        self.retrieval_mix = 1.0 if not has_text else float(retrieval_mix)
         self.seed, self.rank, self.world_size, self.split = int(seed), int(rank), int(world_size), split
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self._pos = 0  # rank-local index of the next sample
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        local = np.arange(self._pos, self._pos + self.batch_size, dtype=np.int64)
-        self._pos += self.batch_size
-        gid = local * self.world_size + self.rank
-        stream = 1 if self.split == "val" else 0
+    def is_retrieval(self, local: np.ndarray) -> np.ndarray:
         if self.retrieval_mix >= 1.0:
-            is_ret = np.ones(len(local), bool)
-        elif self.retrieval_mix <= 0.0 or self.retrieval is None:
-            is_ret = np.zeros(len(local), bool)
-        else:
-            is_ret = _uniform(self.seed, 100 + stream, gid) < self.retrieval_mix
+            return np.ones(len(local), bool)
+        if self.retrieval_mix <= 0.0 or self.retrieval is None:
+            return np.zeros(len(local), bool)
+        stream = 1 if self.split == "val" else 0
+        return _uniform(self.seed, 100 + stream, local * self.world_size + self.rank) < self.retrieval_mix
+
+    def assemble(self, local: np.ndarray, is_ret: np.ndarray, text_rows: np.ndarray | None) -> dict[str, torch.Tensor]:
+        """``text_rows``: [(~is_ret).sum(), seq_len + 1] token chunks for the text rows, in order."""
+        gid = local * self.world_size + self.rank
         tokens = np.empty((len(local), self.seq_len + 1), np.int64)
         labels_keep = np.ones((len(local), self.seq_len), bool)
         if (~is_ret).any():
-            tokens[~is_ret] = self.text.samples(local[~is_ret])
+            tokens[~is_ret] = text_rows
         if is_ret.any():
             toks, answer = self.retrieval.batch(gid[is_ret])
             tokens[is_ret] = toks
             labels_keep[is_ret] = answer[:, 1:]  # label t predicts token t+1
         inp = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))
         labels = torch.from_numpy(np.where(labels_keep, tokens[:, 1:], IGNORE_INDEX))
-        batch = {"input": inp, "labels": labels, "is_retrieval": torch.from_numpy(is_ret)}
-        if self.pin_memory:  # pinned host memory lets .to(device, non_blocking=True) overlap compute
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return batch
+        return {"input": inp, "labels": labels, "is_retrieval": torch.from_numpy(is_ret)}
+
+
+class MapBatches(torch.utils.data.Dataset):
+    """Random access to the batches of an in-memory corpus: ``self[pos]`` is the batch of the ``batch_size``
+    samples at rank-local positions pos, pos + 1, ... (a pure function of pos, so loader workers can build
+    batches in any order and the loader yields them in order)."""
+
+    def __init__(self, text: PackedTextDataset | None, assembler: BatchAssembler):
+        self.text, self.assembler = text, assembler
+
+    def __len__(self) -> int:  # the loader is infinite; the sampler, not len(), bounds it
+        return 1 << 62
+
+    def __getitem__(self, pos: int) -> dict[str, torch.Tensor]:
+        local = np.arange(int(pos), int(pos) + self.assembler.batch_size, dtype=np.int64)
+        is_ret = self.assembler.is_retrieval(local)
+        rows = self.text.samples(local[~is_ret]) if (~is_ret).any() else None
+        return self.assembler.assemble(local, is_ret, rows)
+
+    def epoch_of(self, position: int) -> int:
+        return 0 if self.text is None else self.text.epoch_of(position)
 
     @property
-    def epoch(self) -> int:
-        return 0 if self.text is None else self.text.epoch_of(self._pos)
-
-    def state_dict(self) -> dict:
-        """Position plus the identity of the stream; RNG state is a function of these."""
-        return {
-            "sample_index": self._pos,
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "split": self.split,
-            "retrieval_mix": self.retrieval_mix,
-            "chunks_per_rank": None if self.text is None else self.text.chunks_per_rank,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        # A state from a different stream would silently yield other data: refuse it.
-        mine = self.state_dict()
-        for key in ("seed", "rank", "world_size", "seq_len", "split", "retrieval_mix", "chunks_per_rank"):
-            if key in state and state[key] != mine[key]:
-                raise ValueError(
-                    f"loader state was saved with {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
-                    "resume with the same data config, seed, seq_len and world size"
-                )
-        self._pos = int(state["sample_index"])
-
-    def reset(self) -> None:
-        """Back to the first batch (e.g. to evaluate the val split identically every time)."""
-        self._pos = 0
+    def chunks_per_rank(self) -> int | None:
+        return None if self.text is None else self.text.chunks_per_rank

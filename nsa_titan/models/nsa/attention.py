@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa_titan.models.nsa import reference, torch_impl
+from nsa_titan.models.nsa import local_attention, reference, torch_impl
 from nsa_titan.models.nsa.args import NSAModelArgs
 from nsa_titan.models.nsa.common import NSAParams
 
@@ -184,13 +184,14 @@ class DenseAttention(nn.Module):
     def forward(self, x, cos, sin, doc_start=None):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        mask = None
-        if doc_start is not None:  # causal within each document: a [B, 1, T, T] mask (O(T^2) memory)
-            s = torch.arange(t, device=x.device)
-            mask = (s[None, :] <= s[:, None]) & (s >= doc_start.view(b, 1, t, 1))
-        # is_causal is safe here: queries and keys have the same length, so the mask is the usual one.
+        if doc_start is None:
+            out = local_attention.causal_attention(q, k, v)  # flash-attn when installed, else SDPA(is_causal)
+            return self.wo(out.reshape(b, t, self.n_heads * self.v_head_dim))
+        # Packed documents: causal within each document, a [B, 1, T, T] mask (O(T^2) memory).
+        s = torch.arange(t, device=x.device)
+        mask = (s[None, :] <= s[:, None]) & (s >= doc_start.view(b, 1, t, 1))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))

@@ -5,7 +5,8 @@ no Python loops over tokens, blocks or heads, no host syncs, every shape static.
 reference are in construction only:
 - the overlap map is counted per sub-block of d positions, not by a token membership product;
 - top-n is a stable descending sort (ties keep the lower index) instead of an all-pairs ranking;
-- selected and window attention run through ``scaled_dot_product_attention`` with boolean masks.
+- selected attention runs through ``scaled_dot_product_attention`` with a boolean mask; the window through
+  ``local_attention.window_attention`` (flash-attn, FlexAttention or a banded form: no [T, T] mask).
 Memory is still O(T^2) per KV head for the selection mask; the kernels issue removes that.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nsa_titan.models.nsa import local_attention
 from nsa_titan.models.nsa.common import NSAParams
 
 
@@ -127,6 +129,10 @@ def selected_attention(q, k, v, block_idx, p: NSAParams, doc_start=None):
 
 
 def window_attention(q, k, v, window: int, doc_start=None):
+    """Banded on CPU, FlexAttention or flash-attn on CUDA (local_attention.py): no [T, T] mask. Packed documents
+    (doc_start) take an explicit [B, 1, T, T] mask through SDPA instead."""
+    if doc_start is None:
+        return local_attention.window_attention(q, k, v, window)
     b, t, hq = q.shape[:3]
     n_rep = hq // k.shape[2]
     s = torch.arange(t, device=q.device)

@@ -1,0 +1,144 @@
+"""Sliding-window and plain causal attention for the portable path, without a T x T mask anywhere.
+
+Which kernel runs is a pure function of (flash-attn installed, device type, dtype), so it is fixed for a run
+and the trainer names it at start-up (``describe``):
+
+- **flash-attn** (the ``flash_attn`` package, CUDA, fp16/bf16): ``flash_attn_func`` with ``causal=True`` and,
+  for the window, ``window_size=(w - 1, 0)``. GQA is native (no K/V repeat).
+- **flex** (CUDA otherwise): FlexAttention with a block mask built from block indices (``window_block_mask``:
+  [T/128, T/128] block counts, the window rule as ``mask_mod`` inside partial blocks), compiled once per
+  shape: eager FlexAttention would materialise the scores it exists to avoid.
+- **band** (CPU): FlexAttention has no CPU backward (torch 2.13), so queries are cut in chunks of w and each
+  chunk attends to its own and the previous chunk of keys: [T/w, w, 2w] scores, O(T w) memory.
+
+The dense baseline keeps ``scaled_dot_product_attention(is_causal=True)`` without flash-attn: it builds no
+mask either and already dispatches to PyTorch's fused flash / memory-efficient kernels, which a FlexAttention
+causal mask would only re-derive.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FLASH_ATTN_ERROR", "causal_attention", "dense_backend", "describe", "window_attention",
+           "window_backend", "window_block_mask"]
+
+# Resolved once at import (the forward runs under torch.compile and must not try imports).
+try:
+    from flash_attn import flash_attn_func as _flash_attn_func
+
+    FLASH_ATTN_ERROR = None
+except ImportError as _e:  # not installed (no wheels for many machines), or built for another torch
+    _flash_attn_func, FLASH_ATTN_ERROR = None, _e
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def window_backend(device_type: str, dtype: torch.dtype) -> str:
+    if device_type == "cuda" and dtype in _HALF and _flash_attn_func is not None:
+        return "flash-attn"
+    return "flex" if device_type == "cuda" else "band"
+
+
+def dense_backend(device_type: str, dtype: torch.dtype) -> str:
+    return "flash-attn" if device_type == "cuda" and dtype in _HALF and _flash_attn_func is not None else "sdpa"
+
+
+def describe(attn_type: str, attn_impl: str, device_type: str, mixed_precision: str) -> str:
+    """The start-up log's name for the kernel of the dense baseline, or of the torch path's window branch."""
+    dtype = torch.bfloat16 if mixed_precision == "bf16" and device_type == "cuda" else torch.float32
+    if attn_type == "dense":
+        return f"dense attention: {dense_backend(device_type, dtype)}"
+    if attn_impl == "torch" or (attn_impl == "auto" and device_type != "cuda"):
+        return f"window branch: {window_backend(device_type, dtype)}"
+    return ""  # the Triton kernels and the reference have their own window code
+
+
+def causal_attention(q, k, v):
+    """q [B, T, HQ, Dk], k [B, T, HKV, Dk], v [B, T, HKV, Dv] -> [B, T, HQ, Dv]."""
+    if dense_backend(q.device.type, q.dtype) == "flash-attn":
+        return _flash_attn_func(q, k, v, causal=True)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def window_attention(q, k, v, window: int):
+    """Query t attends to keys t - window + 1 .. t. Shapes as ``causal_attention``."""
+    return run_window(window_backend(q.device.type, q.dtype), q, k, v, window)
+
+
+def run_window(backend: str, q, k, v, window: int):
+    if backend == "flash-attn":
+        return _flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
+    if backend == "flex":
+        return _flex_window(q, k, v, window)
+    return band_window_attention(q, k, v, window)
+
+
+def band_window_attention(q, k, v, window: int):
+    """Chunks of c = min(window, T) queries against their own and the previous chunk of keys."""
+    b, t, hq, dk = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    c = max(1, min(window, t))
+    n = -(-t // c)
+    pad = n * c - t
+    # Keys/values: one chunk of zeros in front (the "previous chunk" of chunk 0), the tail padded to n chunks.
+    kp = F.pad(k, (0, 0, 0, 0, c, pad)).unflatten(1, (n + 1, c))
+    vp = F.pad(v, (0, 0, 0, 0, c, pad)).unflatten(1, (n + 1, c))
+    kk = torch.cat([kp[:, :-1], kp[:, 1:]], dim=2)  # [B, n, 2c, HKV, Dk]
+    vv = torch.cat([vp[:, :-1], vp[:, 1:]], dim=2)
+    qq = F.pad(q, (0, 0, 0, 0, 0, pad)).unflatten(1, (n, c))  # [B, n, c, HQ, Dk]
+    g = hq // hkv
+    qg = qq.unflatten(3, (hkv, g)).permute(0, 1, 3, 4, 2, 5)  # [B, n, HKV, G, c, Dk]
+    scores = torch.matmul(qg, kk.permute(0, 1, 3, 4, 2).unsqueeze(3))  # [B, n, HKV, G, c, 2c]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * dk**-0.5
+    # Query i of chunk m sits at m*c + i; key j of its pair of chunks at (m - 1)*c + j.
+    qi = torch.arange(c, device=q.device)[:, None] + c
+    kj = torch.arange(2 * c, device=q.device)[None, :]
+    local = (kj <= qi) & (kj > qi - window)  # [c, 2c], the same for every chunk
+    first = local & (kj >= c)  # chunk 0's previous chunk is padding
+    mask = torch.cat([first[None], local[None].expand(n - 1, -1, -1)])[:, None, None]  # [n, 1, 1, c, 2c]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, vv.permute(0, 1, 3, 2, 4).unsqueeze(3))  # [B, n, HKV, G, c, Dv]
+    return out.permute(0, 1, 4, 2, 3, 5).reshape(b, n * c, hq, dv)[:, :t]
+
+
+def window_block_mask(t: int, window: int, device, block: int = 128):
+    """FlexAttention BlockMask of the causal window from block indices: a [T/block]^2 table, no T x T mask."""
+    from torch.nn.attention.flex_attention import BlockMask  # noqa: PLC0415 - only the flex path needs it
+
+    n = -(-t // block)
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    touched = (j <= i) & ((j + 1) * block - 1 >= i * block - window + 1)  # some (q, k) pair is visible
+    full = (j < i) & (j * block >= (i + 1) * block - window)  # every pair is visible: no mask_mod needed
+    partial = touched & ~full
+
+    def packed(m):  # (blocks per row, their indices first) as BlockMask stores them
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return m.sum(-1).to(torch.int32)[None, None], order[None, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+
+    return BlockMask.from_kv_blocks(*packed(partial), *packed(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(t, t))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_window(q, k, v, window: int):
+    mask = window_block_mask(q.shape[1], window, q.device)
+    out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                           enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
