@@ -39,6 +39,11 @@ CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
                   r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+def _id_list(ids: Iterable[int]) -> list[int]:
+    """Token ids (a list, array or tensor) as Python ints for decoding (host sync ok: off the training path)."""
+    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; four specials follow them.
 
@@ -68,8 +73,7 @@ class ByteTokenizer:
         return [self.encode_bytes(d.encode("utf-8") if isinstance(d, str) else d) for d in docs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        # host sync ok: decoding runs off the training path
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = _id_list(ids)
         out: list[str] = []
         run = bytearray()
         for i in ids:
@@ -203,8 +207,7 @@ class HFTokenizer(_SpecialTokens):
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        # host sync ok: decoding runs off the training path
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = _id_list(ids)
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def __repr__(self) -> str:
@@ -258,8 +261,7 @@ class TiktokenTokenizer(_SpecialTokens):
         return [np.asarray(ids, dtype=np.int32) for ids in self._enc.encode_ordinary_batch(texts)]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        # host sync ok: decoding runs off the training path
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = _id_list(ids)
         if skip_special:
             ids = [i for i in ids if i not in self._specials.values()]
         return self._enc.decode(ids)
