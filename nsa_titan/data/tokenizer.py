@@ -41,7 +41,7 @@ CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 
 def _id_list(ids: Iterable[int]) -> list[int]:
     """Token ids (a list, array or tensor) as Python ints for decoding (host sync ok: off the training path)."""
-    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]  # host sync ok: decoding
 
 
 class ByteTokenizer:
