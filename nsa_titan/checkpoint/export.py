@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from nsa_titan.checkpoint.folder import TMP_PREFIX, export_dir_name, inspect_checkpoint
 from nsa_titan.checkpoint.safe_load import load_tensors
+from nsa_titan.data import build_tokenizer
 from nsa_titan.models import NSAModelArgs, build_model
 
 _DTYPES = types.MappingProxyType({"bf16": torch.bfloat16, "fp32": torch.float32})  # read-only
@@ -176,8 +177,6 @@ def tokenizer_extras(tokenizer_path: str | None, eos_token: str | None = None) -
     that transformers' generate() stops at its EOS and AutoTokenizer loads from the export folder."""
     if not tokenizer_path:
         return {}, []
-    from nsa_titan.data import build_tokenizer  # noqa: PLC0415 - the data package is only needed here
-
     tok = build_tokenizer(tokenizer_path, eos_token=eos_token)
     ids = {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id}
     p = Path(tokenizer_path)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from nsa_titan.config import load_job_config
 from nsa_titan.experiments.comm_model import DEFAULT_BANDWIDTH, Bandwidth, CommEstimator
 from nsa_titan.experiments.common import REPO, child_env, environment_of, launch_command, visible_gpus
 from nsa_titan.experiments.plan_report import describe, recommendations, write_plan_report
@@ -309,8 +310,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runner = ProbeRunner(out / f"ac_plan_{a.tag}", train_args, warmup=a.warmup, steps=a.steps,
                          timeout_s=a.probe_timeout_s, time_limit_s=a.time_limit_s, in_process=a.in_process,
                          force=a.force, memory_cap_gib=a.memory_cap_gib)
-    from nsa_titan.config import load_job_config  # noqa: PLC0415 - CPU only: the parent never touches the GPU
-
     estimator = CommEstimator(load_job_config(train_args),
                               Bandwidth.load(a.collectives) if a.collectives else DEFAULT_BANDWIDTH)
 

@@ -110,7 +110,7 @@ def band_window_attention(q, k, v, window: int):
 
 def window_block_mask(t: int, window: int, device, block: int = 128):
     """FlexAttention BlockMask of the causal window from block indices: a [T/block]^2 table, no T x T mask."""
-    from torch.nn.attention.flex_attention import BlockMask  # noqa: PLC0415 - only the flex path needs it
+    from torch.nn.attention.flex_attention import BlockMask  # noqa: PLC0415 - optional (the flex path only)
 
     n = -(-t // block)
     i = torch.arange(n, device=device)[:, None]
@@ -132,7 +132,7 @@ def window_block_mask(t: int, window: int, device, block: int = 128):
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415 - optional (the flex path only)
 
     return torch.compile(flex_attention, dynamic=False)
 
