@@ -109,13 +109,16 @@ def test_vocab_too_large_for_the_model_fails_before_the_model_is_built(tmp_path,
         run(args(tmp_path / "dump", "--data.tokenizer", folder, "--data.eos_token", "nope"))
 
 
-def test_training_with_a_tokenizer_folder_packs_its_eos(tmp_path):
+def test_a_tokenizer_folder_packs_its_configured_eos(tmp_path):
+    from nsa_titan.data import build_dataloader
+
     folder = _hf_folder(tmp_path / "tok", config={"eos_token": "</s>"})
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(12):
-        (docs / f"d{i}.txt").write_text(" ".join(["hello world"] * (20 + i)))
-    torch.manual_seed(0)
-    summary, out = run(args(tmp_path / "dump", "--data.tokenizer", folder, "--data.dataset", "text_files",
-                            "--data.path", str(docs), "--training.steps", "2", "--data.num_workers", "0"))
-    assert summary["steps"] == 2 and "tokenizer HFTokenizer" in out and "(eos 4)" in out
+        (docs / f"d{i}.txt").write_text(" ".join(["hello world"] * (3 + i)))
+    c = load_job_config(["--data.tokenizer", folder, "--data.dataset", "text_files", "--data.path", str(docs),
+                         "--data.val_fraction", "0"])
+    batch = next(build_dataloader(c.data, tokenizer_from_config(c.data), seq_len=40, local_batch_size=4))
+    ids = torch.cat([batch["input"], batch["labels"][:, -1:]], 1)
+    assert set(ids.unique().tolist()) == {1, 2, 4}  # hello, world, and </s> between documents (not <|endoftext|>)
