@@ -66,7 +66,8 @@ def data_identity(job_config: Any) -> dict[str, Any]:
            "data.tokenizer": d.tokenizer, "data.val_fraction": d.val_fraction, "data.retrieval_mix": d.retrieval_mix}
     if d.dataset == "hf":  # which examples the stream holds, and so what its saved position points into
         # num_workers too: a stream's order depends on how its shards are split over the loader workers.
-        out.update({f"data.{k}": getattr(d, k, None) for k in ("hf_config", "hf_split", "hf_text_field", "num_workers")})
+        keys = ("hf_config", "hf_split", "hf_text_field", "num_workers")
+        out.update({f"data.{k}": getattr(d, k, None) for k in keys})
     for k in ("val_path", "val_split", "eos_token"):  # a separate val set trains on all of data.path; EOS is packed
         if getattr(d, k, None) is not None:
             out[f"data.{k}"] = getattr(d, k)
