@@ -43,7 +43,7 @@ def write_parquet(folder, n_files=4, rows=30, field="text"):
 def cfg(path, **kw):
     base = dict(dataset="hf", path=str(path), tokenizer="byte", hf_split="train", hf_text_field="text", hf_config=None,
                 val_fraction=0.0, val_path=None, val_split=None, retrieval_mix=0.0, prefetch_factor=2,
-                retrieval_num_pairs=3, retrieval_key_len=2, retrieval_value_len=2)
+                retrieval_num_pairs=3, retrieval_num_queries=3, retrieval_key_len=2, retrieval_value_len=2)
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -73,8 +73,9 @@ def test_resume_mid_shard_is_exact(tmp_path, workers):
     if workers is not None:
         pytest.importorskip("torchdata")
     folder = write_parquet(tmp_path / "pq", n_files=4, rows=40)
+    # window: the retrieval task's default gap (the model's sliding window), as the trainer passes it.
     c, kw = cfg(folder, retrieval_mix=0.25), dict(seq_len=47, local_batch_size=3, rank=1, world_size=2, seed=3,
-                                                 num_workers=workers)
+                                                 num_workers=workers, window=8)
     first = build_dataloader(c, TOK, **kw)
     [next(first) for _ in range(5)]
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps: JSON
