@@ -30,8 +30,10 @@ from nsa_titan.data import build_dataloader, build_tokenizer
 def evaluate_perplexity(model, data_cfg, tokenizer, *, seq_len: int, batch_size: int, device: torch.device,
                         max_batches: int | None = None, autocast=contextlib.nullcontext) -> dict:
     """{"loss", "ppl", "bits_per_token", "tokens", "batches", "seq_len"} over the val split of ``data_cfg``."""
+    # The model's window is the retrieval gap's default (data.retrieval_mix > 0 mixes retrieval samples in).
+    window = getattr(getattr(model, "args", None), "window", None)
     loader = build_dataloader(data_cfg, tokenizer, seq_len=seq_len, local_batch_size=batch_size, split="val",
-                              seed=0, pin_memory=False)
+                              seed=0, pin_memory=False, window=window)
     chunks = getattr(loader.text, "chunks_per_rank", None)  # None: a streamed dataset of unknown length
     one_pass = None if chunks is None else max(chunks // batch_size, 1)
     if one_pass is None and max_batches is None:
