@@ -14,6 +14,7 @@ slower compute kernels run while an NCCL kernel runs beside them.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 
@@ -57,7 +58,58 @@ def summarise(path: str, top: int = 15) -> dict:
         "comm_exposed_ms": (busy - comp_busy) / 1e3, "kernels": len(kernels), "launches": launches,
         "top": sorted(([n, c, d / 1e3] for n, (c, d) in by_name.items()), key=lambda r: -r[2])[:top],
         **fsdp_and_host(events, kernels, lo, hi, max(len(steps), 1)),
+        "idle_gaps": idle_gaps(events, kernels, lo, hi),
     }
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], lo: float, hi: float, top: int = 12) -> dict:
+    """GPU idle time (no kernel on any stream) split by what the host was doing then: the longest gaps with the
+    kernels on either side and the innermost FSDP / autograd range open on the host at the gap's start."""
+    iv = sorted((max(e["ts"], lo), min(e["ts"] + e["dur"], hi), e["name"][:60]) for e in kernels)
+    gaps, end, last = [], lo, "(start)"
+    for s, t, name in iv:
+        if s > end:
+            gaps.append((s - end, end, last, name))
+        if t > end:
+            end, last = t, name
+    if hi > end:
+        gaps.append((hi - end, end, last, "(end)"))
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS
+            and (e["name"].startswith("FSDP::") or e["name"].startswith("autograd::engine"))]
+
+    def open_at(ts: float) -> str:
+        inner = [e for e in host if e["ts"] <= ts < e["ts"] + e["dur"]]
+        return min(inner, key=lambda e: e["dur"])["name"][:80] if inner else ""
+
+    big = sorted(gaps, reverse=True)[:top]
+    return {"total_ms": sum(g[0] for g in gaps) / 1e3, "count": len(gaps),
+            "over_100us_ms": sum(g[0] for g in gaps if g[0] > 100) / 1e3,
+            "longest": [{"ms": d / 1e3, "at_ms": (at - lo) / 1e3, "after": a, "before": b, "host": open_at(at)}
+                        for d, at, a, b in big]}
+
+
+def write_timeline(path: str, out: str) -> None:
+    """A compact copy of a trace for reading later (the raw traces are too big to bring back): kernels, FSDP
+    ranges, autograd nodes and host syncs as [ts_us, dur_us, lane, name] relative to the first step."""
+    events = json.load(open(path))["traceEvents"]
+    keep = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, cat = e.get("name", ""), e.get("cat")
+        if cat == "kernel":
+            lane = f"stream{e.get('args', {}).get('stream', e.get('tid'))}"
+        elif cat in HOST_CATS and (name.startswith(("FSDP::", "ProfilerStep#", "autograd::engine"))
+                                   or "checkpoint" in name.lower()):
+            lane = f"host{e.get('tid', 0)}"
+        elif cat == "cuda_runtime" and (name in SYNCS or name == "cudaStreamWaitEvent"):
+            lane = f"rt{e.get('tid', 0)}"
+        else:
+            continue
+        keep.append([e["ts"], e["dur"], lane, name[:100]])
+    t0 = min((k[0] for k in keep if k[3].startswith("ProfilerStep#")), default=min(k[0] for k in keep))
+    with gzip.open(out, "wt") as f:
+        json.dump([[round(ts - t0, 1), round(d, 1), lane, n] for ts, d, lane, n in sorted(keep)], f)
 
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
@@ -126,7 +178,11 @@ def main() -> None:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", help="write the summaries here")
+    ap.add_argument("--timeline", help="also write each trace's compact timeline to <this prefix><i>.json.gz")
     a = ap.parse_args()
+    if a.timeline:
+        for i, t in enumerate(a.traces):
+            write_timeline(t, f"{a.timeline}{i}.json.gz")
     out = [summarise(t, a.top) for t in a.traces]
     for s in out:
         print(f"\n{s['trace']}: {s['steps']} step(s), wall {s['wall_ms']:.1f} ms, kernel-busy {s['kernel_busy']:.1%}, "
@@ -136,6 +192,9 @@ def main() -> None:
             print(f"  {ms:9.2f} ms {count:6d}x  {name}")
         print("  per step: " + json.dumps(s["per_step"]) + f"; compute slowdown beside NCCL: "
               f"{s['compute_slowdown_beside_nccl']}")
+        g = s["idle_gaps"]
+        print(f"  GPU idle: {g['total_ms']:.1f} ms in {g['count']} gaps ({g['over_100us_ms']:.1f} ms in gaps > 100 us);"
+              " longest: " + "; ".join(f"{x['ms']:.2f} ms at {x['at_ms']:.0f} ({x['host']})" for x in g["longest"][:4]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

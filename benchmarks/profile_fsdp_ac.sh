@@ -11,7 +11,8 @@
 #   CONFIG  default train_configs/nsa_1b.toml (seq 8192, local batch 1)
 #
 # Per run: OUT/<run>/metrics.jsonl, summary.json, train.log and trace_summary.json (ranks' traces of steps 7-8
-# summarised; the traces themselves stay in OUT/<run>/profile_traces, too big to bring back whole). ~1 min a run.
+# summarised; the traces themselves stay in OUT/<run>/profile_traces, too big to bring back whole; a compact
+# timeline_rank<i>.json.gz of each keeps kernels, FSDP ranges, autograd nodes and host syncs). ~1 min a run.
 set -euo pipefail
 
 OUT="${1:?usage: profile_fsdp_ac.sh OUT RUNS [CONFIG] [overrides ...]}"
@@ -50,7 +51,7 @@ for run in "${runs[@]}"; do
   name="${run//[:+]/_}"; dump="$OUT/$name"; rm -rf "$dump"; mkdir -p "$dump"
   echo "[profile_fsdp_ac $(date -u +%H:%M:%S)] $name"
   if [[ "$where" == "1gpu" ]]; then
-    CUDA_VISIBLE_DEVICES=0 python3 -m nsa_titan.train "${COMMON[@]}" "${flags[@]}" "$@" --job.dump_folder "$dump" \
+    CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" python3 -m nsa_titan.train "${COMMON[@]}" "${flags[@]}" "$@" --job.dump_folder "$dump" \
       > "$dump/train.log" 2>&1 || echo "  $name failed: $(tail -n 2 "$dump/train.log")"
   elif [[ "$where" == "fsdp2" ]]; then
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m nsa_titan.train "${COMMON[@]}" \
@@ -61,7 +62,8 @@ for run in "${runs[@]}"; do
   fi
   traces=("$dump"/profile_traces/iteration_8/rank*_trace.json)
   if [[ -e "${traces[0]}" ]]; then
-    python3 benchmarks/analyze_trace.py "${traces[@]}" --top 8 --json "$dump/trace_summary.json" | grep -v '^  ' || true
+    python3 benchmarks/analyze_trace.py "${traces[@]}" --top 8 --json "$dump/trace_summary.json" \
+      --timeline "$dump/timeline_rank" | grep -v '^  [ 0-9]' || true
   fi
   grep -h '"type": "train"' "$dump/metrics.jsonl" 2>/dev/null | python3 -c '
 import json, sys

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nsa_titan.components.diagnostics import NSADiagnostics
+from nsa_titan.components.garbage_collection import GarbageCollection
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, validate_schedule
 from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer
@@ -222,8 +223,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
                              log=lambda m: print(m, flush=True), start_step=first_step)
     steps_done, interrupted, error, stop = first_step - 1, False, None, {}
+    collector = GarbageCollection(tc.gc_freq)
     try:
         profiler.start()
+        collector.start()  # closed in finally
         for step in range(first_step, tc.steps + 1):
             res.step_start(step)
             with logger.data_loading():  # host-side data work, logged as data-loading time
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                                              dp_degree=parallel_dims.dp_degree,
                                              grad_sync=job_config.parallelism.grad_sync)
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
+            collector.step(step)  # inside the step's time: its cost is part of training
             logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)
             steps_done = step
             log_step = logger.should_log(step)
@@ -273,6 +277,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
         raise
     finally:
+        collector.close()
         profiler.close(error)  # an out-of-memory error writes a memory snapshot first
         logger.close()
         res.close(error)

@@ -96,8 +96,13 @@ class Training:
     """Random seed (parameter init, data order, synthetic data)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower; for debugging and reproducibility tests)."""
+    gc_freq: int = 50
+    """Python garbage collection after every gc_freq-th step, on all ranks at the same step (0: Python's automatic
+    collection, which pauses each rank at its own moment and makes the other ranks wait at the next collective)."""
 
     def validate(self) -> None:
+        _check(self.gc_freq >= 0, "training.gc_freq", f"must be >= 0 (0: Python's automatic collection), got "
+               f"{self.gc_freq}; e.g. --training.gc_freq 50")
         for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
             value = getattr(self, name)
             _check(value >= 1, f"training.{name}", f"must be >= 1, got {value}; pass a positive --training.{name}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -72,11 +73,20 @@ def steady_stats(records: list[dict[str, Any]], warmup: int) -> dict[str, Any] |
     steps = sum(r["window_steps"] for r in steady)
     first = next((r for r in train if r["step"] == 1 and r["window_steps"] == 1), None)
     peak = lambda key: max((r[key] for r in train if r.get(key) is not None), default=None)  # noqa: E731
+    # Per-window step times: the median resists a slow window (a straggling rank, a collection), min-max shows noise.
+    per_step = sorted(r["window_s"] / r["window_steps"] for r in steady)
+    median = statistics.median(per_step)
+    w = steady[0]
+    tokens_per_gpu_step = w["tokens_per_s_per_gpu"] * w["window_s"] / w["window_steps"]  # the same every step
     return {
         "steps_timed": steps,
         "tokens_per_s": sum(r["window_tokens"] for r in steady) / wall,
         "tokens_per_s_per_gpu": _weighted(steady, "tokens_per_s_per_gpu"),
         "step_time_s": wall / steps,
+        "step_time_median_s": median,
+        "step_time_min_s": per_step[0],
+        "step_time_max_s": per_step[-1],
+        "tokens_per_s_per_gpu_median": tokens_per_gpu_step / median,
         "tflops_per_gpu": _weighted(steady, "tflops_per_gpu"),
         "mfu": _weighted(steady, "mfu"),
         "gpu_busy": _weighted(steady, "gpu_busy"),

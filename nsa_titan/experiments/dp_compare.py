@@ -55,11 +55,18 @@ def plan_runs(gpus: list[int], acs: list[str], kinds: list[str]) -> list[dict[st
 
 
 def add_scaling(rows: list[dict[str, Any]]) -> None:
+    """``scaling``: mean tokens/s per GPU over the 1-GPU run's at the same AC; ``scaling_median``: the same on
+    the median log window (robust to one slow window)."""
     base = {r["ac"]: r for r in rows if r["gpus"] == 1 and r.get("tokens_per_s_per_gpu")}
     for r in rows:
         b = base.get(r["ac"])
-        r["scaling"] = (r["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
-                        if b and r.get("tokens_per_s_per_gpu") else None)
+        for key, col in (("scaling", "tokens_per_s_per_gpu"), ("scaling_median", "tokens_per_s_per_gpu_median")):
+            r[key] = r[col] / b[col] if b and r.get(col) and b.get(col) else None
+
+
+def _spread(row: dict[str, Any]) -> str:
+    lo, hi = row.get("step_time_min_s"), row.get("step_time_max_s")
+    return f"{lo:.3f}-{hi:.3f}" if lo is not None and hi is not None else ""
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -82,7 +89,9 @@ def write_dp_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[
              f"{meta['warmup']}; trainer args {meta['train_args']}", "",
              *md_table(rows, [("AC", "ac", ""), ("GPUs", "gpus", ""), ("data parallel", "data_parallel", ""),
                               ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"), ("step s", "step_time_s", ".3f"),
-                              ("scaling", "scaling", ".1%"), ("peak alloc GiB", "peak_mem_gib", ".1f"),
+                              ("scaling", "scaling", ".1%"), ("median step s", "step_time_median_s", ".3f"),
+                              ("min-max step s", _spread, ""), ("scaling (median)", "scaling_median", ".1%"),
+                              ("peak alloc GiB", "peak_mem_gib", ".1f"),
                               ("active GiB", "peak_mem_active_gib", ".1f"),
                               ("reserved GiB", "peak_mem_reserved_gib", ".1f"), ("MFU", "mfu", ".1%"),
                               ("TFLOP/s/GPU", "tflops_per_gpu", ".1f"), ("GPU busy", "gpu_busy", ".0%"),
