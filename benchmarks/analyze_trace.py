@@ -32,7 +32,9 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 def summarise(path: str, top: int = 15) -> dict:
     events = json.load(open(path))["traceEvents"]
-    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#") and e.get("ph") == "X"]
+    # Host ranges only: on CUDA each ProfilerStep also has a gpu_user_annotation copy, which would count it twice.
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#") and e.get("ph") == "X"
+             and e.get("cat") != "gpu_user_annotation"]
     if steps:
         lo = min(e["ts"] for e in steps)
         hi = max(e["ts"] + e["dur"] for e in steps)

@@ -37,7 +37,8 @@ def ratio_rows(result: dict) -> list[dict]:
                          nsa_tokens_per_s=nsa_tps, dense_variant=dense and dense["variant"],
                          dense_tokens_per_s=dense_tps, ratio=ratio, nsa_peak_gib=r.get("peak_mem_gib"),
                          dense_peak_gib=dense and dense.get("peak_mem_gib"),
-                         target=TARGETS.get((flavor, tr["seq_len"])), device=r.get("device"), date=r.get("date")))
+                         target=TARGETS.get((flavor, tr["seq_len"])), device=r.get("device"), date=r.get("date"),
+                         source_tag=result.get("tag")))
     return rows
 
 
@@ -46,17 +47,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Whole model, NSA vs dense: {meta['device']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date'][:10]}; `bench_train.py`, one GPU, "
              "fp32 weights + bf16 autocast, tokens/s of the last 5-step log window; NSA and dense of a row come "
-             "from the same command.", "",
+             "from the same command (its tag, last column, names the results file `train_<tag>.json`; a tag with "
+             "`acfull` ran both with full activation checkpointing).", "",
              "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB "
-             "| dense GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| dense GiB | run tag |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["flavor"], r["seq_len"], r["local_batch"], r["variant"])):
         tgt = "-" if r["target"] is None else (f">= {r['target']:.1f} "
                                                + ("met" if (r["ratio"] or 0) >= r["target"] else "missed"))
         lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
                      f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
                      f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
-                     f"{f(r['dense_peak_gib'], '.1f')} |")
+                     f"{f(r['dense_peak_gib'], '.1f')} | {r.get('source_tag') or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ so an experiment can be spread over several short calls (``--time-limit-s`` stop
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -178,7 +179,8 @@ def md_table(rows: list[dict[str, Any]], columns: list[tuple[str, str | Callable
 def environment_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Device and versions as the runs reported them (the parent process never initialises the GPU)."""
     first = next((r for r in rows if r and r.get("device")), {})
-    return {"device": first.get("device"), "torch": first.get("torch"), "triton": first.get("triton")}
+    return {"device": first.get("device"), "torch": first.get("torch"), "triton": first.get("triton"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def save_plot(path: Path, draw: Callable[[Any], None]) -> str | None:
