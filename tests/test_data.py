@@ -404,3 +404,34 @@ def test_without_torchdata_the_loader_runs_inline_and_says_so(text_dir, monkeypa
                               num_workers=2, log=lines.append)
     assert not loader.use_torchdata and next(loader)["input"].shape == (2, 32)
     assert len(lines) == 1 and "torchdata is not installed" in lines[0] and "pip install torchdata" in lines[0]
+
+
+def test_the_key_blind_shortcut_is_what_a_model_scores_without_retrieval():
+    """shortcut_accuracy against closed forms, and the 'distinct' queries' elimination effect that dense and NSA m7c
+    both plateaued at on an H100 (35.9 % for 16 pairs / 16 one-digit queries: benchmarks/results/mqar_*)."""
+    from nsa_titan.data.retrieval import shortcut_accuracy
+
+    # unique values, distinct queries: the j-th of 4 queries picks among 4 - j values left -> mean of 1/4 .. 1/1
+    assert shortcut_accuracy(4, 4, 10, unique_values=True, samples=2000) == pytest.approx((1/4 + 1/3 + 1/2 + 1) / 4)
+    # unique values, repeated queries: nothing is eliminated -> 1 / num_pairs
+    assert shortcut_accuracy(16, 16, 100, queries="repeat", unique_values=True, samples=500) == pytest.approx(1 / 16)
+    distinct = shortcut_accuracy(16, 16, 10, samples=3000)
+    repeat = shortcut_accuracy(16, 16, 10, queries="repeat", samples=3000)
+    assert 0.34 < distinct < 0.38 and 0.21 < repeat < 0.26  # both well above 10 % chance
+
+
+def test_repeat_queries_and_unique_values_change_the_samples_as_documented():
+    task = RetrievalTask(TOK, 200, num_pairs=4, num_queries=12, key_len=1, value_len=2, min_gap=16, seed=3,
+                         queries="repeat", unique_values=True)
+    for i in range(5):
+        tokens, mask, layout = task.sample_with_layout(i)
+        pair_values = tokens[layout.pair_value_pos[:, None] + np.arange(2)]
+        answers = tokens[layout.answer_pos[:, None] + np.arange(2)]
+        assert (answers == pair_values).all()  # every query still answers its own pair
+        assert len({tuple(v) for v in pair_values}) == len(set(layout.pair_value_pos.tolist()))  # unique values
+        assert len(set(layout.pair_value_pos.tolist())) < 12  # 12 queries over 4 pairs: repeats
+    assert task.shortcut == pytest.approx(1 / 4, abs=0.01)
+    with pytest.raises(ValueError, match="retrieval_value_len"):
+        RetrievalTask(TOK, 400, num_pairs=16, num_queries=4, value_len=1, unique_values=True)
+    with pytest.raises(ValueError, match="retrieval_queries"):
+        RetrievalTask(TOK, 200, num_pairs=4, num_queries=4, queries="sometimes")

@@ -33,6 +33,8 @@ DATA_DEFAULTS = types.MappingProxyType({
     "val_fraction": 0.01,
     "retrieval_num_pairs": 16,
     "retrieval_num_queries": 16,
+    "retrieval_queries": "repeat",
+    "retrieval_unique_values": False,
     "retrieval_key_len": 1,
     "retrieval_value_len": 1,
     "retrieval_min_gap": None,
@@ -145,6 +147,8 @@ def retrieval_task_kwargs(data_cfg, window: int | None) -> dict:
             "num_queries": int(_cfg(data_cfg, "retrieval_num_queries")),
             "key_len": int(_cfg(data_cfg, "retrieval_key_len")),
             "value_len": int(_cfg(data_cfg, "retrieval_value_len")),
+            "queries": str(_cfg(data_cfg, "retrieval_queries")),
+            "unique_values": bool(_cfg(data_cfg, "retrieval_unique_values")),
             "min_gap": int(gap)}
 
 

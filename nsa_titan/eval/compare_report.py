@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nsa_titan.data.retrieval import shortcut_accuracy
 from nsa_titan.eval.needle import accuracy_table
 from nsa_titan.eval.retrieval_diagnostics import diagnostics_table
 
@@ -86,13 +87,24 @@ def report_lines(out: dict, base) -> list[str]:
     lines += [f"Retrieval accuracy in % (queries answered exactly; {dc.retrieval_num_pairs} pairs, "
               f"{dc.retrieval_num_queries} queries, key {dc.retrieval_key_len} / value {dc.retrieval_value_len} tokens "
               "per sample; only the distractor text grows with the context). Depth: where the queried pair sits in "
-              "the pair region (0: start, 1: end, still more than the window before the queries).", ""]
+              "the pair region (0: start, 1: end, still more than the window before the queries).", "",
+              f"Chance: {100 / 10 ** dc.retrieval_value_len:.1f} % (digit values). Key-blind shortcut: "
+              f"{100 * _shortcut(dc):.1f} % (queries {getattr(dc, 'retrieval_queries', 'distinct')}, unique values "
+              f"{getattr(dc, 'retrieval_unique_values', False)}): what a model scores from the task's statistics "
+              "without matching keys (`data.retrieval.shortcut_accuracy`); only accuracy above it shows retrieval.",
+              ""]
     for variant, r in out["results"].items():
         lines += [f"## {variant}", "", accuracy_table(r.get("rows", []), variant), ""]
         if r.get("diagnostics"):
             lines += ["NSA diagnostics per layer (trained model, retrieval samples at the training length):", "",
                       *diagnostics_table(r["diagnostics"]), ""]
     return lines
+
+
+def _shortcut(dc) -> float:
+    return shortcut_accuracy(dc.retrieval_num_pairs, dc.retrieval_num_queries, 10 ** dc.retrieval_value_len,
+                             queries=getattr(dc, "retrieval_queries", "distinct"),
+                             unique_values=getattr(dc, "retrieval_unique_values", False), samples=5000)
 
 
 def draw_curves(out: dict, plt) -> None:
