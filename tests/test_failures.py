@@ -170,6 +170,53 @@ def test_a_killed_rank_makes_the_other_exit_with_a_clear_message(tmp_path):
     print(f"rank 0 exited (code {r0['returncode']}) {waited:.1f}s after rank 1 was killed")
 
 
+def test_under_torchrun_a_killed_rank_makes_the_survivor_exit_5_naming_it(tmp_path):
+    """torchrun's agent SIGTERMs the survivors when a worker dies. That SIGTERM is not a preemption: the survivor
+    must still exit 5 naming the dead rank (not 143 after a save attempt), and torchrun's summary must show rank 0's
+    code 5 beside the root cause, rank 1's SIGKILL."""
+    import subprocess
+    import sys
+
+    from _ckpt_util import REPO, WORKER, subprocess_env
+
+    dump = tmp_path / "dump"
+    argv = args(dump, "--fault.heartbeat_interval_s", "0.5", "--fault.peer_timeout_s", "5",
+                "--fault.collective_timeout_s", "30", steps=200)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           "sigkill_step", "3", "--rank-only", "1", "--", *argv]
+    env = {k: v for k, v in subprocess_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                    "MASTER_PORT")}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-4000:]  # torchrun's own code for a failed worker
+    assert "training stopped: rank 1 (pid" in out and "is gone: its process no longer exists" in out, out[-4000:]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: 5 ", out), out[-4000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9 ", out), out[-4000:]
+    assert "saving and exiting" not in out, "the launcher's SIGTERM was taken for a preemption\n" + out[-4000:]
+    beats = {r: json.loads(heartbeat_path(dump / "heartbeat", r).read_text()) for r in (0, 1)}
+    assert beats[0]["status"] == "failed" and beats[1]["status"] == "running"  # rank 1 died without a word
+    assert beats[0]["time"] - beats[1]["time"] < 15, "rank 0 took too long to stop after rank 1 died"
+
+
+def test_sigterm_after_a_peer_died_names_it_and_exits_5(tmp_path):
+    """The handler's decision on its own: a SIGTERM with a dead peer -> the peer's name and code 5 (also from the
+    grace timer); without one -> a preemption (143)."""
+    import signal
+
+    from nsa_titan.fault.preemption import StopSignals
+
+    codes = []
+    dead = StopSignals(grace_s=0.2, rank=0, world_size=1, exit_fn=codes.append, peer_check=lambda: "rank 1 is gone")
+    dead._handle(signal.SIGTERM, None)
+    assert dead.exit_code() == EXIT_PEER_FAILED
+    _wait_for(codes, 5.0)
+    assert codes == [EXIT_PEER_FAILED]
+    alive = StopSignals(grace_s=60, rank=0, world_size=1, exit_fn=codes.append, peer_check=lambda: None)
+    alive._handle(signal.SIGTERM, None)
+    alive._timer.cancel()
+    assert alive.exit_code() == 143
+
+
 def _watchdog(tmp_path, codes, **kw):
     opts = dict(rank=0, world_size=2, heartbeat_dir=tmp_path / "hb", fault_dir=tmp_path / "fault", timeout_s=30,
                 first_step_timeout_s=30, heartbeat_interval_s=0.1, peer_timeout_s=1.0, run_id="run",

@@ -10,6 +10,11 @@ host: one tiny collective per step, no device sync.
 ``fault.stop_grace_s`` bounds the time from the signal to the exit: past it a timer thread ends the process
 (same exit code) with a message saying that the save did not finish; the previous checkpoint is intact.
 A second SIGINT (Ctrl-C twice) interrupts at once.
+
+A SIGTERM is not always a preemption: torchrun's agent SIGTERMs the surviving workers when one of them died. The
+handler asks ``peer_check`` (the watchdog's heartbeat reading) whether a peer is already gone; if so it says that
+the launcher is stopping the job because of that rank, and the exit code is 5 (a peer failed), not 143, whichever
+path ends the process: the step's failing collective (the usual one, naming the rank) or the grace timer.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nsa_titan.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+from nsa_titan.errors import EXIT_INTERRUPTED, EXIT_PEER_FAILED, EXIT_TERMINATED
 
 _CODES = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
@@ -38,10 +43,11 @@ class Preempted(KeyboardInterrupt):
 
 class StopSignals:
     def __init__(self, *, grace_s: float, rank: int, world_size: int, log: Callable[[str], None] = print,
-                 exit_fn: Callable[[int], None] = os._exit):
+                 exit_fn: Callable[[int], None] = os._exit, peer_check: Callable[[], str | None] | None = None):
         self.grace_s, self.rank, self.world_size = grace_s, rank, world_size
-        self.log, self._exit = log, exit_fn
+        self.log, self._exit, self.peer_check = log, exit_fn, peer_check
         self.signum: int | None = None
+        self.dead_peer: str | None = None  # set when the signal came after a peer died (the launcher's SIGTERM)
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
         self._group = None
@@ -62,13 +68,23 @@ class StopSignals:
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
         self.signum = signum
-        print(f"[rank {self.rank}] {signal.Signals(signum).name} received: finishing the current step, then saving "
-              f"and exiting (within fault.stop_grace_s = {self.grace_s:g}s)", file=sys.stderr, flush=True)
+        self.dead_peer = self.peer_check() if self.peer_check is not None else None
+        if self.dead_peer is not None:
+            print(f"[rank {self.rank}] {signal.Signals(signum).name} received after {self.dead_peer}: the launcher is "
+                  "stopping the job because that rank died, not a preemption; exiting with code "
+                  f"{EXIT_PEER_FAILED} (no checkpoint: the step cannot finish without it)", file=sys.stderr, flush=True)
+        else:
+            print(f"[rank {self.rank}] {signal.Signals(signum).name} received: finishing the current step, then "
+                  f"saving and exiting (within fault.stop_grace_s = {self.grace_s:g}s)", file=sys.stderr, flush=True)
         self._timer = threading.Timer(self.grace_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
 
     def _expire(self) -> None:
+        if self.dead_peer is not None:
+            print(f"[rank {self.rank}] training stopped: {self.dead_peer}", file=sys.stderr, flush=True)
+            self._exit(EXIT_PEER_FAILED)
+            return
         print(f"[rank {self.rank}] {signal.Signals(self.signum).name}: fault.stop_grace_s ({self.grace_s:g}s) passed "
               "before the step, the checkpoint and the summary were done; exiting now. The previous complete "
               "checkpoint is intact and is the one a rerun resumes from", file=sys.stderr, flush=True)
@@ -86,12 +102,18 @@ class StopSignals:
         return signum or None
 
     def exit_code(self) -> int:
-        return _CODES[self.signum]
+        return EXIT_PEER_FAILED if self.dead_peer is not None else _CODES[self.signum]
 
-    def restore(self) -> None:
-        """Put the previous handlers back and disarm the grace timer (the run ended in time)."""
+    def restore(self, exiting_on_failure: bool = False) -> None:
+        """Put the previous handlers back and disarm the grace timer (the run ended in time).
+
+        ``exiting_on_failure``: this rank is on its way out with its own exit code (a peer died); torchrun's agent
+        SIGTERMs it about now, and the default handler would replace that code by 'killed by SIGTERM' (-15) in
+        the agent's report. SIGTERM is ignored for the rest of the exit; the agent's SIGKILL still bounds it."""
         if self._timer is not None:
             self._timer.cancel()
         for signum, handler in self._previous.items():
+            if exiting_on_failure and signum == signal.SIGTERM:
+                handler = signal.SIG_IGN
             signal.signal(signum, handler)
         self._previous.clear()

@@ -126,7 +126,7 @@ class Resilience:
                                  heartbeat_interval_s=fc.heartbeat_interval_s, peer_timeout_s=fc.peer_timeout_s,
                                  run_id=shared_run_id()).start()
         self.signals = StopSignals(grace_s=fc.stop_grace_s, rank=self.rank, world_size=self.world_size,
-                                   log=self.log).install()
+                                   log=self.log, peer_check=self.dead_peer).install()
         self.hooks.on_train_start({**self._live, "train_state": self.train_state, "checkpoint": self.ckpt})
         return self.train_state.step + 1
 
@@ -220,6 +220,11 @@ class Resilience:
             return self.ckpt.export(self.train_state.step)
         return None
 
+    def dead_peer(self) -> str | None:
+        """A sentence naming a rank that is gone, failed or silent, from the heartbeats (None: all alive)."""
+        return find_dead_peer(self.dump / "heartbeat", self.world_size, self.watchdog.run_id, self.rank,
+                              self.cfg.fault.peer_timeout_s)
+
     def peer_failure(self, error: BaseException) -> PeerFailure | None:
         """For an error that means 'another rank is gone' (a failed collective): a PeerFailure naming that rank,
         so that every survivor exits 5 with the rank's name instead of a traceback. A killed rank on this host
@@ -241,7 +246,8 @@ class Resilience:
     def close(self, error: BaseException | None = None) -> None:
         """Every exit path: finish a background save, leave a final heartbeat ('failed' tells the peers)."""
         if self.signals is not None:
-            self.signals.restore()
+            self.signals.restore(exiting_on_failure=error is not None
+                                 and collective_failure_hint(error, self.world_size) is not None)
         try:
             if error is None or isinstance(error, (KeyboardInterrupt, NonFiniteError)):
                 self.ckpt.close()
