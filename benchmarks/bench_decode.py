@@ -36,14 +36,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing the pack
 from nsa_titan.components.runtime import device_name, software_versions  # noqa: E402
 from nsa_titan.models import build_model, get_model_args  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
-from nsa_titan.models.nsa.decode import (  # noqa: E402
-    KVCache,
-    NSALayerCache,
-    decode_step,
-    dense_decode_attention,
-    nsa_decode_attention,
-    nsa_tokens_read,
-)
+from nsa_titan.models.nsa.decode import KVCache, decode_step, nsa_tokens_read  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -72,14 +65,13 @@ def make_step(model, cache: KVCache, mode: str, batch: int, device):
     tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
     attn, layer = model.layers["0"].attention, cache.layers[0]
     x = torch.randn(batch, 1, model.args.dim, device=device).to(model.output.weight.dtype)
-    fn = nsa_decode_attention if isinstance(layer, NSALayerCache) else dense_decode_attention
 
     def step():
         t = cache.pos
         if mode == "model":
             out = decode_step(model, cache, tok)
-        else:
-            out = fn(attn, layer, x, model.rope_cos[t: t + 1], model.rope_sin[t: t + 1], t)[0]
+        else:  # one attention module (projections, the cached attention, output projection)
+            out = attn(x, model.rope_cos[t: t + 1], model.rope_sin[t: t + 1], cache=layer)
         cache.pos = t  # every timed step runs at the same set of positions
         return out
 

@@ -117,12 +117,9 @@ class NSAAttention(nn.Module):
         self.diagnostics = None
         self.diagnostics_out = None  # this layer's last values (a flat device tensor)
 
-    def project_raw(self, x, cos, sin):
-        """x [B, T, dim] -> q, (k_cmp_raw, v_cmp_raw), (k_slc, v_slc), (k_win, v_win), gates; nothing compressed.
-
-        Split from ``project`` so that incremental decoding (models/nsa/decode.py) can cache the raw
-        compression-branch keys and compress one block at a time with the same weights.
-        """
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, (k_cmp_raw, v_cmp_raw), (k_slc, v_slc), (k_win, v_win), gates; nothing compressed
+        yet (a KV cache keeps the raw compression-branch keys and compresses one block at a time)."""
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         kv = self.wkv(x).view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
@@ -134,21 +131,29 @@ class NSAAttention(nn.Module):
         gates = torch.sigmoid(self.wgate(x).float()).view(b, t, self.n_heads, 3)
         return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
 
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), gates."""
-        q, (k_raw, v_raw), slc, win, gates = self.project_raw(x, cos, sin)
-        return q, (self.compress_k(k_raw), self.compress_v(v_raw)), slc, win, gates
+    def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None, cache=None):
+        """x [B, T, dim] (positions given by the RoPE rows cos/sin) -> [B, T, dim].
 
-    def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None):
+        ``cache``: this layer's KV cache (models/nsa/decode.py). A prompt (T > 1, empty cache) runs as in training
+        and fills it; a single new token (T = 1) is stored and attends through the cache (``cache.attend``).
+        ``doc_start`` [B, T]: packed documents (training only; decoding serves one document per row).
+        """
         b, t, _ = x.shape
-        q, (kc, vc), (ks, vs), (kw, vw), gates = self.project(x, cos, sin)
-        # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device type
-        # is static, so under torch.compile this runs once, at trace time.
-        impl = resolve_impl(self.impl_name, q.device)
-        out, blocks = impl(q, kc, vc, ks, vs, kw, vw, gates, self.params, doc_start=doc_start)
-        diag = self.diagnostics
-        if diag is not None and diag.enabled:  # a host bool (the trainer sets it on log steps): no device read
-            self.diagnostics_out = diag.record(q, (kc, vc), (ks, vs), (kw, vw), gates, blocks, self.params)
+        q, raw, slc, win, gates = self.project(x, cos, sin)
+        blocks = None
+        if cache is not None and t == 1:
+            out = cache.attend(q, raw, slc, win, gates)
+        else:
+            cmp = self.compress_k(raw[0]), self.compress_v(raw[1])
+            # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device
+            # type is static, so under torch.compile this runs once, at trace time.
+            impl = resolve_impl(self.impl_name, q.device)
+            out, blocks = impl(q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start)
+            if cache is not None:
+                cache.fill(raw, slc, win, cmp)
+            diag = self.diagnostics
+            if diag is not None and diag.enabled:  # a host bool (the trainer sets it on log steps): no device read
+                self.diagnostics_out = diag.record(q, cmp, slc, win, gates, blocks, self.params)
         out = self.wo(out.to(x.dtype).reshape(b, t, self.n_heads * self.v_head_dim))
         return (out, blocks) if return_blocks else out
 
@@ -171,19 +176,16 @@ class DenseAttention(nn.Module):
         self.wkv = nn.Linear(args.dim, args.n_kv_heads * (args.head_dim + args.dv), bias=False)
         self.wo = nn.Linear(args.n_heads * args.dv, args.dim, bias=False)
 
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q [B, T, HQ, Dk], k [B, T, HKV, Dk] (both rotated), v [B, T, HKV, Dv].
-
-        Split from ``forward`` so that incremental decoding (models/nsa/decode.py) can fill a KV cache.
-        """
+    def forward(self, x, cos, sin, doc_start=None, cache=None):
+        """x [B, T, dim] -> [B, T, dim]; ``doc_start`` and ``cache`` as in NSAAttention.forward."""
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         k, v = self.wkv(x).view(b, t, self.n_kv_heads, -1).split([self.head_dim, self.v_head_dim], dim=-1)
-        return q, apply_rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, doc_start=None):
-        b, t, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if cache is not None and t == 1:
+            return self.wo(cache.attend(q, k, v).reshape(b, t, self.n_heads * self.v_head_dim))
+        if cache is not None:
+            cache.fill(k, v)
         if doc_start is None:
             out = local_attention.causal_attention(q, k, v)  # flash-attn when installed, else SDPA(is_causal)
             return self.wo(out.reshape(b, t, self.n_heads * self.v_head_dim))

@@ -1,9 +1,13 @@
 """KV cache and incremental (one token per step) attention for NSA and dense models.
 
-``prefill(model, tokens, cache)`` is one full forward of the prompt (same code path as ``model(tokens)``)
-that also fills the cache; ``decode_step(model, cache, token)`` appends one token per row and returns its
-logits. Step by step, the logits equal those of a full forward over the same prefix (tests/test_decode.py):
-every rule is the one of ``reference.py``, restricted to the newest query.
+``prefill(model, tokens, cache)`` is ``model(tokens, cache=cache)`` on an empty cache: the training forward,
+which also fills the cache; ``decode_step(model, cache, token)`` is ``model(token, cache=cache)`` for one token
+per row, and returns its logits. Both run the model's own blocks and attention modules (embedding, norms,
+projections, compression, gates, output projection, residuals): for a single new token (a decode step, or a
+one-token prompt) the attention module hands its projections to the layer cache's ``attend`` below, the one
+part decoding adds.
+Step by step, the logits equal those of a full forward over the same prefix (tests/test_decode.py): every rule
+is the one of ``reference.py``, restricted to the newest query.
 
 Cache of one NSA layer (heads first, [B, HKV, S, D], so one index per (row, KV head) gathers a block):
 - selection branch: raw rotated K/V of every position (selected blocks can lie anywhere in the past);
@@ -36,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_titan.models.nsa.attention import DenseAttention, NSAAttention, resolve_impl
+from nsa_titan.models.nsa.attention import NSAAttention
 from nsa_titan.models.nsa.common import NSAParams
 
 
@@ -48,9 +52,12 @@ def nsa_tokens_read(t: int, p: NSAParams) -> int:
 
 
 class NSALayerCache:
-    def __init__(self, attn: NSAAttention, batch: int, capacity: int, device, dtype):
+    """One NSA layer's cache (see the module docstring); ``attend`` is its attention for one new token."""
+
+    def __init__(self, kv: KVCache, attn: NSAAttention, batch: int, capacity: int, device, dtype):
         p = attn.params
-        self.p, self.attn = p, attn
+        self.kv, self.p, self.attn = kv, p, attn
+        self.last_reads: dict[str, int] = {}
         hkv, dk, dv = attn.n_kv_heads, attn.head_dim, attn.v_head_dim
         blocks = -(-capacity // p.slc_block)  # whole blocks, so the cache views as [.., blocks, l', D]
         new = lambda s, d: torch.zeros(batch, hkv, s, d, device=device, dtype=dtype)  # noqa: E731
@@ -63,9 +70,14 @@ class NSALayerCache:
         self.rows = torch.arange(batch, device=device)[:, None, None]
         self.heads = torch.arange(hkv, device=device)[None, :, None]
 
-    def fill(self, raw, slc, win, cmp, length: int) -> None:
-        """Store a prefilled prompt of ``length`` tokens (inputs as the projections give them, [B, T, H, D])."""
-        dev = self.k_slc.device
+    @property
+    def pos(self) -> int:
+        """Positions stored so far (shared by every layer: the KVCache's)."""
+        return self.kv.pos
+
+    def fill(self, raw, slc, win, cmp) -> None:
+        """Store a prompt's K/V as the projections give them ([B, T, H, D]) and its compressed K/V."""
+        dev, length = self.k_slc.device, raw[0].shape[1]
         self.k_slc[:, :, :length] = slc[0].transpose(1, 2)
         self.v_slc[:, :, :length] = slc[1].transpose(1, 2)
         for ring_k, ring_v, (k, v) in ((self.k_win, self.v_win, win), (self.k_raw, self.v_raw, raw)):
@@ -98,6 +110,56 @@ class NSALayerCache:
         return p.cmp_block
 
 
+    def attend(self, q, raw, slc, win, gates) -> torch.Tensor:
+        """Attention of the token at position ``pos`` (the projections of NSAAttention.project, [B, 1, H, D]);
+        stores its K/V first. Returns the gated branch mix [B, HKV, G, Dv] (query head kv * G + g), which the
+        module's output projection takes as [B, 1, HQ * Dv]."""
+        p, attn, t = self.p, self.attn, self.pos
+        b = q.shape[0]
+        hkv, g = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
+        compress_reads = self.append(raw, slc, win, t)
+        qg = q.view(b, hkv, g, attn.head_dim)  # query head h = kv * G + g reads KV head kv, as in training
+
+        # Compressed branch over the visible compressed tokens, softmax in fp32 as in torch_impl.
+        nc = p.num_cmp_tokens(t + 1)
+        cur = t // p.slc_block
+        if nc:
+            kc, vc = self.k_cmp[:, :, :nc], self.v_cmp[:, :, :nc]
+            scores = torch.matmul(qg, kc.transpose(-1, -2))
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * attn.head_dim**-0.5
+            probs = torch.softmax(scores, dim=-1)  # [B, HKV, G, nc]
+            o_cmp = torch.matmul(probs.to(vc.dtype), vc)
+            importance = block_importance(probs.sum(2).float(), cur + 1, p)[..., :cur]
+        else:
+            o_cmp = qg.new_zeros(b, hkv, g, attn.v_head_dim)
+            importance = qg.new_zeros(b, hkv, cur, dtype=torch.float32)
+
+        # Selection: the current block is always taken (its tokens <= t are a plain slice); the other n - 1
+        # slots go to the top blocks before it, with block 0 and block cur - 1 forced, ties to the lower index.
+        cur_k = self.k_slc[:, :, cur * p.slc_block: t + 1]
+        cur_v = self.v_slc[:, :, cur * p.slc_block: t + 1]
+        k_sel = min(p.slc_top_n - 1, cur)
+        if k_sel:
+            importance[..., 0] = float("inf")  # forced blocks (a fresh tensor: written in place, two fills)
+            importance[..., cur - 1] = float("inf")
+            top = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :k_sel]  # [B, HKV, k]
+            blocks_k = self.k_slc.unflatten(2, (-1, p.slc_block))[self.rows, self.heads, top]
+            blocks_v = self.v_slc.unflatten(2, (-1, p.slc_block))[self.rows, self.heads, top]
+            cur_k = torch.cat([blocks_k.flatten(2, 3), cur_k], dim=2)
+            cur_v = torch.cat([blocks_v.flatten(2, 3), cur_v], dim=2)
+        # The G query heads of a KV head are the "query length" of one non-causal SDPA: no mask needed,
+        # every gathered key is visible.
+        o_slc = F.scaled_dot_product_attention(qg, cur_k, cur_v)
+        m = min(p.window, t + 1)
+        o_win = F.scaled_dot_product_attention(qg, self.k_win[:, :, :m], self.v_win[:, :, :m])
+
+        gt = gates.view(b, hkv, g, 3, 1).to(o_cmp.dtype)
+        out = (gt[..., 0, :] * o_cmp).addcmul_(gt[..., 1, :], o_slc.to(o_cmp.dtype)).addcmul_(gt[..., 2, :],
+                                                                                           o_win.to(o_cmp.dtype))
+        self.last_reads = {"cmp": nc, "slc": cur_k.shape[2], "win": m, "compress": compress_reads}
+        return out
+
+
 def block_importance(group_probs: torch.Tensor, num_blocks: int, p: NSAParams) -> torch.Tensor:
     """[B, HKV, C] group-summed compressed probabilities -> importance of blocks 0 .. num_blocks-1.
 
@@ -118,70 +180,33 @@ def block_importance(group_probs: torch.Tensor, num_blocks: int, p: NSAParams) -
     return per_sub.reshape(b, h, num_blocks, subs).sum(-1)
 
 
-def nsa_decode_attention(attn: NSAAttention, cache: NSALayerCache, x, cos, sin, t: int):
-    """Attention output [B, 1, dim] of the token at position t; x [B, 1, dim] (normed). Also returns reads."""
-    p = attn.params
-    b = x.shape[0]
-    hkv, g = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
-    q, raw, slc, win, gates = attn.project_raw(x, cos, sin)
-    compress_reads = cache.append(raw, slc, win, t)
-    qg = q.view(b, hkv, g, attn.head_dim)  # query head h = kv * G + g reads KV head kv, as in training
-
-    # Compressed branch over the visible compressed tokens, softmax in fp32 as in torch_impl.
-    nc = p.num_cmp_tokens(t + 1)
-    cur = t // p.slc_block
-    if nc:
-        kc, vc = cache.k_cmp[:, :, :nc], cache.v_cmp[:, :, :nc]
-        scores = torch.matmul(qg, kc.transpose(-1, -2))
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * attn.head_dim**-0.5
-        probs = torch.softmax(scores, dim=-1)  # [B, HKV, G, nc]
-        o_cmp = torch.matmul(probs.to(vc.dtype), vc)
-        importance = block_importance(probs.sum(2).float(), cur + 1, p)[..., :cur]
-    else:
-        o_cmp = qg.new_zeros(b, hkv, g, attn.v_head_dim)
-        importance = qg.new_zeros(b, hkv, cur, dtype=torch.float32)
-
-    # Selection: the current block is always taken (its tokens <= t are a plain slice); the other n - 1
-    # slots go to the top blocks before it, with block 0 and block cur - 1 forced, ties to the lower index.
-    cur_k = cache.k_slc[:, :, cur * p.slc_block: t + 1]
-    cur_v = cache.v_slc[:, :, cur * p.slc_block: t + 1]
-    k_sel = min(p.slc_top_n - 1, cur)
-    if k_sel:
-        importance[..., 0] = float("inf")  # forced blocks (a fresh tensor: written in place, two fills)
-        importance[..., cur - 1] = float("inf")
-        top = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :k_sel]  # [B, HKV, k_sel]
-        blocks_k = cache.k_slc.unflatten(2, (-1, p.slc_block))[cache.rows, cache.heads, top]
-        blocks_v = cache.v_slc.unflatten(2, (-1, p.slc_block))[cache.rows, cache.heads, top]
-        cur_k = torch.cat([blocks_k.flatten(2, 3), cur_k], dim=2)
-        cur_v = torch.cat([blocks_v.flatten(2, 3), cur_v], dim=2)
-    # The G query heads of a KV head are the "query length" of one non-causal SDPA: no mask needed,
-    # every gathered key is visible.
-    o_slc = F.scaled_dot_product_attention(qg, cur_k, cur_v)
-    m = min(p.window, t + 1)
-    o_win = F.scaled_dot_product_attention(qg, cache.k_win[:, :, :m], cache.v_win[:, :, :m])
-
-    gt = gates.view(b, hkv, g, 3, 1).to(o_cmp.dtype)
-    out = (gt[..., 0, :] * o_cmp).addcmul_(gt[..., 1, :], o_slc.to(o_cmp.dtype)).addcmul_(gt[..., 2, :],
-                                                                                       o_win.to(o_cmp.dtype))
-    out = attn.wo(out.to(x.dtype).reshape(b, 1, attn.n_heads * attn.v_head_dim))
-    reads = {"cmp": nc, "slc": cur_k.shape[2], "win": m, "compress": compress_reads}
-    return out, reads
-
-
 class DenseLayerCache:
-    def __init__(self, attn: DenseAttention, batch: int, capacity: int, device, dtype):
+    """One dense-attention layer's cache: K/V of every position, heads first."""
+
+    def __init__(self, kv: KVCache, attn, batch: int, capacity: int, device, dtype):
         new = lambda d: torch.zeros(batch, attn.n_kv_heads, capacity, d, device=device, dtype=dtype)  # noqa: E731
+        self.kv, self.attn = kv, attn
         self.k, self.v = new(attn.head_dim), new(attn.v_head_dim)
+        self.last_reads: dict[str, int] = {}
 
+    @property
+    def pos(self) -> int:
+        return self.kv.pos
 
-def dense_decode_attention(attn: DenseAttention, cache: DenseLayerCache, x, cos, sin, t: int):
-    b = x.shape[0]
-    q, k, v = attn.project(x, cos, sin)
-    cache.k[:, :, t] = k[:, 0]
-    cache.v[:, :, t] = v[:, 0]
-    qg = q.view(b, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)
-    out = F.scaled_dot_product_attention(qg, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1])
-    return attn.wo(out.reshape(b, 1, attn.n_heads * attn.v_head_dim)), {"dense": t + 1}
+    def fill(self, k, v) -> None:
+        """Store a prompt's K/V ([B, T, HKV, D], as DenseAttention projects them)."""
+        t = k.shape[1]
+        self.k[:, :, :t], self.v[:, :, :t] = k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        """Attention of the token at position ``pos`` ([B, 1, H, D] projections) over every cached position;
+        stores its K/V first. Returns [B, HKV, G, Dv] (query head kv * G + g)."""
+        attn, t = self.attn, self.pos
+        self.k[:, :, t] = k[:, 0]
+        self.v[:, :, t] = v[:, 0]
+        qg = q.view(q.shape[0], attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)
+        self.last_reads = {"dense": t + 1}
+        return F.scaled_dot_product_attention(qg, self.k[:, :, : t + 1], self.v[:, :, : t + 1])
 
 
 class KVCache:
@@ -203,7 +228,7 @@ class KVCache:
         self.layers = []
         for block in model.layers.values():
             kind = NSALayerCache if isinstance(block.attention, NSAAttention) else DenseLayerCache
-            self.layers.append(kind(block.attention, batch_size, capacity, device, dtype))
+            self.layers.append(kind(self, block.attention, batch_size, capacity, device, dtype))
         self.last_reads: list[dict[str, int]] = []
 
     def _check_room(self, tokens: torch.Tensor) -> None:
@@ -214,41 +239,14 @@ class KVCache:
                              "build the cache with a larger capacity")
 
 
-def _run_blocks(model, tokens, attend):
-    """The model's forward (model.py: pre-norm blocks, final norm, output) with a custom attention call."""
-    h = model.tok_embeddings(tokens)
-    for i, block in enumerate(model.layers.values()):
-        h = h + attend(i, block.attention, block.attention_norm(h))
-        h = h + block.feed_forward(block.ffn_norm(h))
-    return model.output(model.norm(h))
-
-
 @torch.no_grad()
 def prefill(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Full forward of the prompt ``tokens`` [B, T] into an empty cache; returns logits [B, T, vocab]."""
     if cache.pos:
         raise ValueError(f"prefill needs an empty cache (it holds {cache.pos} tokens); use decode_step to extend it")
     cache._check_room(tokens)
-    t = tokens.shape[1]
-    cos, sin = model.rope_cos[:t], model.rope_sin[:t]
-
-    def attend(i, attn, x):
-        b = x.shape[0]
-        layer = cache.layers[i]
-        if isinstance(attn, NSAAttention):
-            q, raw, slc, win, gates = attn.project_raw(x, cos, sin)
-            cmp = attn.compress_k(raw[0]), attn.compress_v(raw[1])
-            out, _ = resolve_impl(attn.impl_name, q.device)(q, *cmp, *slc, *win, gates, attn.params)
-            layer.fill(raw, slc, win, cmp, t)
-            return attn.wo(out.to(x.dtype).reshape(b, t, attn.n_heads * attn.v_head_dim))
-        q, k, v = attn.project(x, cos, sin)
-        layer.k[:, :, :t], layer.v[:, :, :t] = k.transpose(1, 2), v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=attn.n_heads != attn.n_kv_heads)
-        return attn.wo(out.transpose(1, 2).reshape(b, t, attn.n_heads * attn.v_head_dim))
-
-    logits = _run_blocks(model, tokens, attend)
-    cache.pos = t
+    logits = model(tokens, cache=cache)
+    cache.pos = tokens.shape[1]
     return logits
 
 
@@ -261,16 +259,7 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
     cache._check_room(tokens)
     if tokens.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got {tokens.shape[1]}; use prefill for prompts")
-    t = cache.pos
-    cos, sin = model.rope_cos[t: t + 1], model.rope_sin[t: t + 1]
-    reads = []
-
-    def attend(i, attn, x):
-        step = nsa_decode_attention if isinstance(attn, NSAAttention) else dense_decode_attention
-        out, r = step(attn, cache.layers[i], x, cos, sin, t)
-        reads.append(r)
-        return out
-
-    logits = _run_blocks(model, tokens, attend)
-    cache.pos, cache.last_reads = t + 1, reads
+    logits = model(tokens, cache=cache)
+    cache.pos += 1
+    cache.last_reads = [layer.last_reads for layer in cache.layers]
     return logits[:, 0]

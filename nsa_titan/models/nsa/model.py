@@ -38,8 +38,8 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of the residual projections keeps the stream's variance flat with depth.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x, cos, sin, doc_start=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, doc_start=doc_start)
+    def forward(self, x, cos, sin, doc_start=None, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, doc_start=doc_start, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self) -> None:
@@ -99,20 +99,29 @@ class NSATransformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound)
 
     def forward(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens [B, T] int64 -> logits [B, T, vocab].
 
         Packed documents (data/documents.py): ``doc_start`` [B, T] limits attention to each token's document;
         ``positions`` [B, T] are the RoPE positions (default 0..T-1 for every row).
+        ``cache``: a KVCache (models/nsa/decode.py; ``prefill`` and ``decode_step`` pass it). The tokens are then
+        positions ``cache.pos`` onward, and each block's attention reads and extends its layer's cache.
         """
-        t = tokens.shape[1]
+        if cache is not None and (doc_start is not None or positions is not None):
+            raise ValueError("decoding with a KV cache serves one document per row: doc_start / positions are for "
+                             "packed training sequences")
+        start, t = (0 if cache is None else cache.pos), tokens.shape[1]
         if positions is None:
-            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+            cos, sin = self.rope_cos[start: start + t], self.rope_sin[start: start + t]
         else:  # [B, T, 1, 1, D/2]: broadcasts against [B, T, H, 2, D/2] in apply_rope
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin, doc_start=doc_start)
+        for i, block in enumerate(self.layers.values()):
+            # Training calls each block without a cache, so a compiled block never sees one.
+            if cache is None:
+                h = block(h, cos, sin, doc_start=doc_start)
+            else:
+                h = block(h, cos, sin, cache=cache.layers[i])
         return self.output(self.norm(h))
 
 
