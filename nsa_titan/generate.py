@@ -5,7 +5,7 @@
         [--device auto] [--dtype fp32|bf16] [--config train_configs/debug_model.toml] [--model.KEY VALUE ...]
 
 CKPT: a DCP checkpoint folder, an export folder / .safetensors file, or a torch.save'd state dict (see
-nsa_titan/eval/weights.py). The model is the one the checkpoint records (DCP marker or export config.json);
+nsa_titan/checkpoint/load.py). The model is the one the checkpoint records (DCP marker or export config.json);
 without such a record it comes from the training flags (``--config`` and ``--model.*``), as does the
 tokenizer (``--data.tokenizer``). ``--model.attn_impl`` and ``--model.max_seq_len`` may always be given (they
 do not change the weights); the RoPE table is extended to prompt + new tokens when needed. Temperature 0
@@ -16,54 +16,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import json
 import sys
 import time
 
 import torch
 
-from nsa_titan.components.runtime import device_name, resolve_device
-from nsa_titan.config import ConfigError, load_job_config
+from nsa_titan.checkpoint.load import build_inference_model, load_inference_config, resolve_inference_args
+from nsa_titan.components.runtime import autocast_context, device_name, resolve_device
+from nsa_titan.config import ConfigError
 from nsa_titan.data import tokenizer_from_config
-from nsa_titan.eval.weights import load_weights, saved_model_args
-from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 from nsa_titan.models.nsa.decode import KVCache, decode_step, prefill
-
-_FREE_FIELDS = ("attn_impl", "max_seq_len")  # may differ from training without touching the weights
-
-
-def load_inference_config(argv: list[str]):
-    """The training config flags (--config, --model.*, --data.*), without the training-only check that
-    training.seq_len fits model.max_seq_len: inference sets its own lengths (and extends the RoPE table)."""
-    given = any(a == "--training.seq_len" or a.startswith("--training.seq_len=") for a in argv)
-    return load_job_config(argv if given else [*argv, "--training.seq_len", "2"])
-
-
-def resolve_inference_args(job_config, checkpoint: str | None, min_seq_len: int = 0) -> NSAModelArgs:
-    """The checkpoint's recorded args (else the config's), with attn_impl / max_seq_len overrides applied."""
-    overrides = job_config.model.overrides()
-    saved = saved_model_args(checkpoint) if checkpoint else None
-    if saved is not None:
-        names = {f.name for f in dataclasses.fields(NSAModelArgs)}
-        args = NSAModelArgs(**{k: v for k, v in saved.items() if k in names})
-        args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if k in _FREE_FIELDS})
-    else:
-        args = get_model_args(job_config.model.flavor, **overrides)
-    # RoPE angles are a function of the position, not learned: a longer table only adds positions.
-    args.max_seq_len = max(args.max_seq_len, min_seq_len)
-    args.validate()
-    return args
-
-
-def build_inference_model(args: NSAModelArgs, checkpoint: str | None, device: torch.device):
-    with torch.device("meta"):
-        model = build_model(args)
-    model.to_empty(device=device)
-    model.init_weights()  # also computes the RoPE tables, which checkpoints do not hold
-    if checkpoint:
-        load_weights(model, checkpoint)
-    return model.eval()
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -156,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(ns.seed)  # random init (no checkpoint) is reproducible too
     model = build_inference_model(args, ns.checkpoint, device)
     bf16 = ns.dtype == "bf16" and device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    autocast = functools.partial(autocast_context, device, "bf16" if bf16 else "fp32")
     prompt = torch.tensor([ids] * ns.num_samples, dtype=torch.long, device=device)
     new, stats = generate(model, prompt, ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                           seed=ns.seed, eos_id=None if ns.no_stop_at_eos else tokenizer.eos_id, autocast=autocast,

@@ -71,8 +71,8 @@ def test_resume_never_unpickles_code_from_the_metadata(tmp_path):
 def test_inference_loading_refuses_pickled_entries_and_metadata(tmp_path):
     import torch.distributed.checkpoint as dcp
 
+    from nsa_titan.checkpoint.load import load_weights
     from nsa_titan.checkpoint.safe_load import UnsafeCheckpointError, load_tensors
-    from nsa_titan.eval.weights import load_weights
 
     pwned = tmp_path / "pwned"
     with pytest.warns(UserWarning, match="single process"):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from nsa_titan.checkpoint.load import load_weights, read_safetensors, saved_model_args, write_safetensors
 from nsa_titan.data import ByteTokenizer, RetrievalTask
 from nsa_titan.eval import compare, needle, perplexity, retrieval_diagnostics
 from nsa_titan.eval import compare_report as report
-from nsa_titan.eval.weights import load_weights, read_safetensors, saved_model_args, write_safetensors
 from nsa_titan.generate import generate, sample_next
 from nsa_titan.generate import main as generate_main
 from nsa_titan.models import build_model, get_model_args

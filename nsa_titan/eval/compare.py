@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from nsa_titan.checkpoint import list_checkpoints
+from nsa_titan.checkpoint.load import build_inference_model, resolve_inference_args
 from nsa_titan.components.runtime import autocast_context, device_name, resolve_device, software_versions
 from nsa_titan.config import ConfigError, job_config_to_dict, load_job_config
-from nsa_titan.data import RetrievalTask, build_tokenizer
+from nsa_titan.data import RetrievalTask, tokenizer_from_config
 from nsa_titan.eval.compare_report import check_targets, draw_curves, loss_curves, report_lines
 from nsa_titan.eval.needle import NEEDLE_STREAM, accuracy_by_length, eval_task_kwargs, evaluate_needle, parse_ints
 from nsa_titan.eval.retrieval_diagnostics import retrieval_diagnostics
 from nsa_titan.experiments.common import write_report
-from nsa_titan.generate import build_inference_model, resolve_inference_args
 from nsa_titan.train import main as train_main
 
 
@@ -82,7 +82,7 @@ def evaluate_variant(ns, job_config, variant: str, ckpt: str, folder: Path, leng
     if done is not None:
         return done
     device = resolve_device(job_config.training.device)
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    tokenizer = tokenizer_from_config(job_config.data)
     args = resolve_inference_args(job_config, ckpt, max(lengths))
     model = build_inference_model(args, ckpt, device)
     autocast = functools.partial(autocast_context, device, job_config.training.mixed_precision)

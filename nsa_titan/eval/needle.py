@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -23,7 +24,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nsa_titan.data import IGNORE_INDEX, RetrievalTask, query_correct
+from nsa_titan.checkpoint.load import build_inference_model, load_inference_config, resolve_inference_args
+from nsa_titan.components.runtime import autocast_context, device_name, resolve_device, software_versions
+from nsa_titan.data import (
+    IGNORE_INDEX,
+    RetrievalTask,
+    query_correct,
+    stdlib_documents,
+    text_file_documents,
+    tokenize_documents,
+    tokenizer_from_config,
+)
 from nsa_titan.data.build import retrieval_task_kwargs
 
 NEEDLE_STREAM = 2  # RetrievalTask streams 0 and 1 are the train and val samples: evaluate on unseen ones
@@ -98,8 +109,6 @@ def accuracy_table(rows: list[dict], label: str = "") -> str:
 def filler_from(data_cfg, tokenizer) -> dict:
     """The filler the training task had (build_dataloader's choice), from the val split: the text of data.path,
     else the stdlib corpus, unless data.retrieval_filler is 'letters' (then random letters)."""
-    from nsa_titan.data import stdlib_documents, text_file_documents, tokenize_documents  # noqa: PLC0415
-
     if data_cfg.retrieval_filler == "letters" or data_cfg.dataset == "hf":
         return {}
     if data_cfg.path and data_cfg.dataset in ("text_files", "retrieval"):
@@ -120,13 +129,8 @@ def parse_ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from nsa_titan.components.runtime import device_name, resolve_device, software_versions  # noqa: PLC0415
-    from nsa_titan.data import build_tokenizer  # noqa: PLC0415
-    from nsa_titan.generate import (build_inference_model, load_inference_config,  # noqa: PLC0415
-                                    resolve_inference_args)
-
     parser = argparse.ArgumentParser(prog="python -m nsa_titan.eval.needle", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", help="weights (see nsa_titan/eval/weights.py); none: random init")
+    parser.add_argument("--checkpoint", help="weights (see nsa_titan/checkpoint/load.py); none: random init")
     parser.add_argument("--lengths", type=parse_ints, help="context lengths (default: training.seq_len x 1,2,4,8)")
     parser.add_argument("--depth-bins", type=int, default=4, help="equal-width bins of the queried pair's depth")
     parser.add_argument("--samples", type=int, default=20, help="per length (each has data.retrieval_num_queries)")
@@ -139,11 +143,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     job_config = load_inference_config(rest)
     lengths = ns.lengths or [job_config.training.seq_len * k for k in (1, 2, 4, 8)]
     device = resolve_device(ns.device)
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    tokenizer = tokenizer_from_config(job_config.data)
     args = resolve_inference_args(job_config, ns.checkpoint, max(lengths))
     model = build_inference_model(args, ns.checkpoint, device)
-    bf16 = ns.dtype == "bf16" and device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    autocast = functools.partial(autocast_context, device, ns.dtype)
     rows = evaluate_needle(model, tokenizer, lengths=lengths, depth_bins=ns.depth_bins, samples=ns.samples,
                            device=device, batch_size=ns.batch_size, seed=ns.seed, autocast=autocast,
                            task_kwargs=eval_task_kwargs(job_config.data, tokenizer, args.window))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from nsa_titan.components.runtime import device_name, resolve_device, software_versions
+from nsa_titan.checkpoint.load import build_inference_model, load_inference_config, resolve_inference_args
+from nsa_titan.components.runtime import autocast_context, device_name, resolve_device, software_versions
 from nsa_titan.components.train_step import count_target_tokens, move_batch, token_loss_sum
 from nsa_titan.config import ConfigError
-from nsa_titan.data import build_dataloader, build_tokenizer
+from nsa_titan.data import build_dataloader, tokenizer_from_config
 
 
 @torch.no_grad()
@@ -54,11 +56,8 @@ def evaluate_perplexity(model, data_cfg, tokenizer, *, seq_len: int, batch_size:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from nsa_titan.generate import (build_inference_model, load_inference_config,  # noqa: PLC0415 - CLI only
-                                    resolve_inference_args)
-
     parser = argparse.ArgumentParser(prog="python -m nsa_titan.eval.perplexity", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", help="weights (see nsa_titan/eval/weights.py); none: random init")
+    parser.add_argument("--checkpoint", help="weights (see nsa_titan/checkpoint/load.py); none: random init")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-batches", type=int)
@@ -68,11 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
     ns, rest = parser.parse_known_args(argv)
     job_config = load_inference_config(rest)
     device = resolve_device(ns.device)
-    tokenizer = build_tokenizer(job_config.data.tokenizer)
+    tokenizer = tokenizer_from_config(job_config.data)
     args = resolve_inference_args(job_config, ns.checkpoint, ns.seq_len)
     model = build_inference_model(args, ns.checkpoint, device)
-    bf16 = ns.dtype == "bf16" and device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    autocast = functools.partial(autocast_context, device, ns.dtype)
     t0 = time.perf_counter()
     result = evaluate_perplexity(model, job_config.data, tokenizer, seq_len=ns.seq_len, batch_size=ns.batch_size,
                                  device=device, max_batches=ns.max_batches, autocast=autocast)

@@ -1,4 +1,7 @@
-"""Load model weights for inference from whatever training or export produced.
+"""Loading a model to run (generate.py and every nsa_titan.eval tool): its config, its args, its weights.
+
+``load_inference_config`` / ``resolve_inference_args`` / ``build_inference_model`` below; the weights from
+whatever training or export produced:
 
 Accepted ``path``s:
 - a ``torch.save``'d state dict (.pt/.pth/.bin; may sit under a "model" or "state_dict" key; the prefixes
@@ -18,6 +21,7 @@ raw little-endian tensors), so inference needs no extra package.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -26,6 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from nsa_titan.checkpoint.folder import MARKER, inspect_checkpoint
+from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
+from nsa_titan.config import load_job_config
+from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -78,7 +87,7 @@ def saved_model_args(path: str | os.PathLike) -> dict[str, Any] | None:
     """NSAModelArgs fields recorded beside the weights (DCP marker or export config.json), else None."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
-    marker = folder / "nsa_checkpoint.json"
+    marker = folder / MARKER
     if marker.is_file():
         return json.loads(marker.read_text()).get("model_args") or None
     return _export_config(folder).get("nsa_model_args") or None
@@ -91,17 +100,10 @@ def _strip(name: str) -> str:
 
 
 def _load_dcp(model: nn.Module, folder: Path) -> None:
-    from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely  # noqa: PLC0415 - DCP only
-
-    if (folder / "nsa_checkpoint.json").is_file():
-        try:
-            from nsa_titan.checkpoint.manager import inspect_checkpoint  # noqa: PLC0415 - optional package
-        except ImportError:
-            inspect_checkpoint = None
-        if inspect_checkpoint is not None:
-            _, problem = inspect_checkpoint(folder)
-            if problem:
-                raise ValueError(f"{folder}: incomplete checkpoint ({problem}); pick another step-* folder")
+    if (folder / MARKER).is_file():
+        _, problem = inspect_checkpoint(folder)
+        if problem:
+            raise ValueError(f"{folder}: incomplete checkpoint ({problem}); pick another step-* folder")
     saved = read_metadata_safely(folder).state_dict_metadata
     mine = {k: v for k, v in model.state_dict().items() if k not in _NOT_SAVED}
     nested = any(k.startswith("model.") for k in saved)  # nsa_titan.checkpoint: {"model": ..., "optimizer": ...}
@@ -153,3 +155,41 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
         raise ValueError(f"{p}: weights do not fit the model (missing {missing[:4]}, unexpected {unexpected[:4]}); "
                          "check that --config / --model.* describe the trained model")
     model.load_state_dict(state, strict=False)  # strict=False only because rope_* buffers are not saved
+
+
+_FREE_FIELDS = ("attn_impl", "max_seq_len")  # may differ from training without touching the weights
+
+
+def load_inference_config(argv: list[str]):
+    """The training config flags (--config, --model.*, --data.*), without the training-only check that
+    training.seq_len fits model.max_seq_len: inference sets its own lengths (and extends the RoPE table), so a
+    training length the flags do not give is taken as the shortest valid one."""
+    given = any(a == "--training.seq_len" or a.startswith("--training.seq_len=") for a in argv)
+    return load_job_config(argv if given else [*argv, "--training.seq_len", "2"])
+
+
+def resolve_inference_args(job_config, checkpoint: str | None, min_seq_len: int = 0) -> NSAModelArgs:
+    """The checkpoint's recorded args (else the config's), with attn_impl / max_seq_len overrides applied."""
+    overrides = job_config.model.overrides()
+    saved = saved_model_args(checkpoint) if checkpoint else None
+    if saved is not None:
+        names = {f.name for f in dataclasses.fields(NSAModelArgs)}
+        args = NSAModelArgs(**{k: v for k, v in saved.items() if k in names})
+        args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if k in _FREE_FIELDS})
+    else:
+        args = get_model_args(job_config.model.flavor, **overrides)
+    # RoPE angles are a function of the position, not learned: a longer table only adds positions.
+    args.max_seq_len = max(args.max_seq_len, min_seq_len)
+    args.validate()
+    return args
+
+
+def build_inference_model(args: NSAModelArgs, checkpoint: str | None, device: torch.device):
+    """The model in eval mode on ``device``, with the checkpoint's weights (none: its initialisation)."""
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device=device)
+    model.init_weights()  # also computes the RoPE tables, which checkpoints do not hold
+    if checkpoint:
+        load_weights(model, checkpoint)
+    return model.eval()
