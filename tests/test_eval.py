@@ -230,3 +230,17 @@ def test_gpu_scripts_smoke_run_on_cpu(tmp_path, monkeypatch):
     assert all(r["compute_ops"] > 0 for r in rows.values())
     # The op counter counts what computes or writes (ones, add, mul_), never views (view, t, reshape).
     assert bench.compute_ops_per_step([lambda: torch.ones(3).view(3, 1).t().add(1).reshape(3).mul_(2)]) == 3
+
+
+def test_inference_config_skips_only_the_training_length_check():
+    """generate and the eval tools load the training flags without the training-only rule that training.seq_len
+    fits model.max_seq_len (no '--training.seq_len 2' trick); every other check still applies."""
+    from nsa_titan.checkpoint.load import load_inference_config
+    from nsa_titan.config import ConfigError, load_job_config
+
+    cfg = load_inference_config(["--model.max_seq_len", "64"])
+    assert cfg.training.seq_len == 1024 and cfg.model_args(training=False).max_seq_len == 64
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        load_job_config(["--model.max_seq_len", "64"])
+    with pytest.raises(ConfigError, match="training.gc_freq"):
+        load_inference_config(["--training.gc_freq", "-1"])

@@ -33,7 +33,7 @@ from torch import nn
 
 from nsa_titan.checkpoint.folder import MARKER, inspect_checkpoint
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
-from nsa_titan.config import load_job_config
+from nsa_titan.config import load_inference_config  # noqa: F401 - re-exported: the one loader of inference tools
 from nsa_titan.models import NSAModelArgs, build_model, get_model_args
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -158,14 +158,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 _FREE_FIELDS = ("attn_impl", "max_seq_len")  # may differ from training without touching the weights
-
-
-def load_inference_config(argv: list[str]):
-    """The training config flags (--config, --model.*, --data.*), without the training-only check that
-    training.seq_len fits model.max_seq_len: inference sets its own lengths (and extends the RoPE table), so a
-    training length the flags do not give is taken as the shortest valid one."""
-    given = any(a == "--training.seq_len" or a.startswith("--training.seq_len=") for a in argv)
-    return load_job_config(argv if given else [*argv, "--training.seq_len", "2"])
 
 
 def resolve_inference_args(job_config, checkpoint: str | None, min_seq_len: int = 0) -> NSAModelArgs:

@@ -13,6 +13,7 @@ from nsa_titan.config.job_config import (
     Parallelism,
     Training,
     job_config_to_dict,
+    load_inference_config,
     load_job_config,
 )
 from nsa_titan.config.manager import ConfigError, config_to_toml, format_help
@@ -33,5 +34,6 @@ __all__ = [
     "config_to_toml",
     "format_help",
     "job_config_to_dict",
+    "load_inference_config",
     "load_job_config",
 ]

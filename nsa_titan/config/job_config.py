@@ -342,8 +342,9 @@ class JobConfig:
     fault: Fault = field(default_factory=Fault)
     profiling: Profiling = field(default_factory=Profiling)
 
-    def validate(self) -> None:
-        """Each section's own checks, then the ones that span sections."""
+    def validate(self, training: bool = True) -> None:
+        """Each section's own checks, then the ones that span sections. ``training=False`` (inference tools, which
+        set their own lengths): the model need not cover training.seq_len."""
         for f in dataclasses.fields(self):
             section_validate = getattr(getattr(self, f.name), "validate", None)
             if section_validate is not None:
@@ -354,7 +355,7 @@ class JobConfig:
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
                               "add --compile.enable or choose another mode (full, selective_op, ratio)")
-        model_args = self.model_args()
+        model_args = self.model_args(training=training)
         gap = self.data.retrieval_min_gap
         uses_retrieval = self.data.dataset == "retrieval" or self.data.retrieval_mix > 0
         if uses_retrieval and gap is not None and gap < model_args.window:
@@ -363,15 +364,21 @@ class JobConfig:
                               f"long-range attention; pass --data.retrieval_min_gap {model_args.window} or more, or "
                               "drop it (None: the window)")
 
-    def model_args(self) -> NSAModelArgs:
+    def model_args(self, training: bool = True) -> NSAModelArgs:
         """The model this config describes: ``[model] flavor`` with the other ``[model]`` keys applied, checked by
-        NSAModelArgs.validate (where the model's rules live), also against ``training.seq_len``."""
+        NSAModelArgs.validate (where the model's rules live), also against ``training.seq_len`` when ``training``."""
         try:
             args = get_model_args(self.model.flavor, **self.model.overrides())
-            args.validate(self.training.seq_len)
+            args.validate(self.training.seq_len if training else None)
         except ValueError as e:  # unknown flavor, inconsistent sizes: the message names the key and the fix
             raise ConfigError(str(e)) from None
         return args
+
+
+def load_inference_config(argv: list[str]) -> JobConfig:
+    """The training config flags (--config, --model.*, --data.*) for generate and the eval tools: every check but
+    the training-only one that training.seq_len fits model.max_seq_len (inference sets its own lengths)."""
+    return parse_config(JobConfig, list(argv), validate_kwargs={"training": False})
 
 
 def load_job_config(argv: list[str] | None = None) -> JobConfig:

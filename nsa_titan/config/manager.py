@@ -370,11 +370,11 @@ def _parse_argv(config_cls: type, argv: list[str], config_file_key: str):
 
 
 def parse_config(config_cls: type, argv: list[str], *, config_file_key: str = "job.config_file",
-                 prog: str = "python -m nsa_titan.train") -> Any:
+                 prog: str = "python -m nsa_titan.train", validate_kwargs: dict[str, Any] | None = None) -> Any:
     """Build ``config_cls`` from defaults, the TOML file named on the command line, then overrides.
 
     ``--help`` prints :func:`format_help` and ``--print-config`` the resolved TOML; both exit 0.
-    Calls ``cfg.validate()`` when the config class defines it.
+    Calls ``cfg.validate(**validate_kwargs)`` when the config class defines it.
     """
     if "-h" in argv or "--help" in argv:  # help wins even over otherwise broken arguments
         print(format_help(config_cls, prog), end="")
@@ -389,7 +389,7 @@ def parse_config(config_cls: type, argv: list[str], *, config_file_key: str = "j
         tp = _field_type(config_cls, section, key, "")
         setattr(getattr(cfg, section), key, convert(raw, tp, f"--{section}.{key}", True))
     if hasattr(cfg, "validate"):
-        cfg.validate()
+        cfg.validate(**(validate_kwargs or {}))
     if want_print:
         print(config_to_toml(cfg), end="")
         raise SystemExit(0)
