@@ -34,7 +34,7 @@ from torch import nn
 from nsa_titan.checkpoint.folder import MARKER, inspect_checkpoint
 from nsa_titan.checkpoint.safe_load import load_tensors, read_metadata_safely
 from nsa_titan.config import load_inference_config  # noqa: F401 - re-exported: the one loader of inference tools
-from nsa_titan.models import NSAModelArgs, build_model, get_model_args
+from nsa_titan.models import NSAModelArgs, build_model
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -169,7 +169,7 @@ def resolve_inference_args(job_config, checkpoint: str | None, min_seq_len: int 
         args = NSAModelArgs(**{k: v for k, v in saved.items() if k in names})
         args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if k in _FREE_FIELDS})
     else:
-        args = get_model_args(job_config.model.flavor, **overrides)
+        args = job_config.model_args(training=False)
     # RoPE angles are a function of the position, not learned: a longer table only adds positions.
     args.max_seq_len = max(args.max_seq_len, min_seq_len)
     args.validate()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nsa_titan.models import build_model, get_model_args
+from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import forward_flops_breakdown
 from nsa_titan.parallelisms.activation_checkpoint import ratio_block_ids
 
@@ -157,7 +157,7 @@ class CommEstimator:
     def __init__(self, job_config: Any, bandwidth: Bandwidth = DEFAULT_BANDWIDTH):
         self.cfg, self.bandwidth = job_config, bandwidth
         pc, tc = job_config.parallelism, job_config.training
-        self.args = get_model_args(job_config.model.flavor, **job_config.model.overrides())
+        self.args = job_config.model_args()
         self.seq_len = tc.seq_len
         # The probes run on GPUs: 'auto' means bf16 parameters under bf16 autocast (resolve_param_dtype).
         auto = "bf16" if tc.mixed_precision == "bf16" else "fp32"
