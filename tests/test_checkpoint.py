@@ -182,6 +182,12 @@ def test_model_export_bf16_safetensors(tmp_path):
     assert len(tensors) == len(params)
     for new, old in config["names"].items():
         assert torch.equal(tensors[new], params[old].detach().to(torch.bfloat16)), new
+    # The tokenizer travels with the weights: its special ids for generate(), and what it was (byte-level here).
+    from nsa_titan.data import build_tokenizer
+
+    byte = build_tokenizer("byte")
+    assert (config["eos_token_id"], config["bos_token_id"]) == (byte.eos_id, byte.bos_id)
+    assert json.loads((out / "nsa_tokenizer.json").read_text()) == {"kind": "byte", "files": []}
     # The offline exporter reads the same weights back from the DCP checkpoint.
     offline = export_checkpoint(tmp_path / "checkpoints" / step_dir_name(3), tmp_path / "offline")
     again = st.load_file(str(offline / "model.safetensors"))

@@ -122,3 +122,19 @@ def test_a_tokenizer_folder_packs_its_configured_eos(tmp_path):
     batch = next(build_dataloader(c.data, tokenizer_from_config(c.data), seq_len=40, local_batch_size=4))
     ids = torch.cat([batch["input"], batch["labels"][:, -1:]], 1)
     assert set(ids.unique().tolist()) == {1, 2, 4}  # hello, world, and </s> between documents (not <|endoftext|>)
+
+
+def test_export_at_end_carries_the_tokenizer_folder_and_its_special_ids(tmp_path):
+    """--checkpoint.export_at_end with a tokenizer folder: the export holds its files and config.json its EOS/BOS
+    ids (data.eos_token applied), so that the model and its tokenizer load from the export alone."""
+    pytest.importorskip("safetensors")
+    folder = _hf_folder(tmp_path / "tok", config={"bos_token": "<s>"}, n_words=300)
+    run(args(tmp_path / "run", "--data.tokenizer", folder, "--data.eos_token", "</s>", "--checkpoint.enable",
+             "--checkpoint.folder", "ck", "--checkpoint.export_at_end", "--model.vocab_size", "320", steps=2))
+    out = next((tmp_path / "run" / "ck").glob("export-*"))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (4, 3)  # </s> (asked for) and <s> (its config)
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer_config.json").is_file()
+    assert json.loads((out / "nsa_tokenizer.json").read_text())["kind"] == "hf"
+    assert build_tokenizer(str(out), eos_token="</s>").encode("hello world") == [1, 2]  # loads from the export

@@ -160,28 +160,52 @@ def write_export(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, 
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, model_args: dict[str, Any], dtype: str = "bf16",
-                 rank: int = 0) -> Path | None:
-    """Export a live (possibly sharded) model; every rank calls it, rank 0 writes and returns the folder."""
+                 rank: int = 0, tokenizer: str | None = None, eos_token: str | None = None,
+                 bos_token: str | None = None) -> Path | None:
+    """Export a live (possibly sharded) model; every rank calls it, rank 0 writes and returns the folder.
+    ``tokenizer`` (data.tokenizer, with data.eos_token / bos_token): its files and special ids go with it."""
     require_safetensors()  # fail on every rank before the collective gather, not on rank 0 after it
     state = full_model_state(model)
     if rank != 0:
         return None
-    return write_export(state, out_dir, model_args=model_args, dtype=dtype)
+    special_ids, files = tokenizer_extras(tokenizer, eos_token, bos_token)
+    out = write_export(state, out_dir, model_args=model_args, dtype=dtype, special_ids=special_ids)
+    _copy_tokenizer(out, tokenizer, files)
+    return out
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def tokenizer_extras(tokenizer_path: str | None, eos_token: str | None = None) -> tuple[dict[str, int], list[Path]]:
-    """(special token ids for config.json, tokenizer files to copy) of a tokenizer folder or tokenizer.json, so
-    that transformers' generate() stops at its EOS and AutoTokenizer loads from the export folder."""
+def tokenizer_extras(tokenizer_path: str | None, eos_token: str | None = None,
+                     bos_token: str | None = None) -> tuple[dict[str, int], list[Path]]:
+    """(special token ids for config.json, tokenizer files to copy) of a tokenizer ("byte", a folder, a
+    tokenizer.json or a *.tiktoken file), so that transformers' generate() stops at its EOS and the tokenizer
+    loads from the export folder alone."""
     if not tokenizer_path:
         return {}, []
-    tok = build_tokenizer(tokenizer_path, eos_token=eos_token)
-    ids = {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id}
+    tok = build_tokenizer(tokenizer_path, eos_token=eos_token, bos_token=bos_token)
+    ids = {k: v for k, v in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id),
+                             ("pad_token_id", getattr(tok, "pad_id", None))) if v is not None}
     p = Path(tokenizer_path)
-    files = [p / n for n in _TOKENIZER_FILES if (p / n).is_file()] if p.is_dir() else [p] if p.suffix == ".json" else []
+    if p.is_dir():
+        files = [p / n for n in _TOKENIZER_FILES if (p / n).is_file()] + sorted(p.glob("*.tiktoken"))
+    else:
+        files = [p] if p.suffix in (".json", ".tiktoken") else []
     return ids, files
+
+
+def _copy_tokenizer(out: Path, tokenizer: str | None, files: list[Path]) -> None:
+    """The tokenizer files beside the weights (a lone tokenizer.json under the name transformers looks for), and
+    ``nsa_tokenizer.json`` saying what data.tokenizer was, so that a byte-level model is decodable from here too."""
+    if not tokenizer:
+        return
+    lone = not Path(tokenizer).is_dir()
+    for f in files:
+        shutil.copyfile(f, out / ("tokenizer.json" if lone and f.suffix == ".json" else f.name))
+    kind = "byte" if tokenizer == "byte" else "tiktoken" if any(f.suffix == ".tiktoken" for f in files) else "hf"
+    (out / "nsa_tokenizer.json").write_text(json.dumps({"kind": kind, "files": sorted(
+        "tokenizer.json" if lone and f.suffix == ".json" else f.name for f in files)}, indent=1) + "\n")
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike | None = None,
@@ -202,8 +226,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike 
     out = Path(out_dir) if out_dir else path.with_name(export_dir_name(path.name))
     special_ids, files = tokenizer_extras(tokenizer)
     out = write_export(state["model"], out, model_args=meta["model_args"], dtype=dtype, special_ids=special_ids)
-    for f in files:  # a lone tokenizer file is copied under the name transformers looks for
-        shutil.copyfile(f, out / (f.name if Path(tokenizer).is_dir() else "tokenizer.json"))
+    _copy_tokenizer(out, tokenizer, files)
     return out
 
 

@@ -391,12 +391,14 @@ class CheckpointManager:
                 dist.destroy_process_group(self._async_pg)
                 self._async_pg = None
 
-    def export(self, step: int) -> Path | None:
-        """Model-only export (checkpoint.export_at_end); collective when sharded, rank 0 writes."""
+    def export(self, step: int, tokenizer: str | None = None, eos_token: str | None = None,
+               bos_token: str | None = None) -> Path | None:
+        """Model-only export (checkpoint.export_at_end); collective when sharded, rank 0 writes. ``tokenizer``:
+        data.tokenizer (with data.eos_token / bos_token), whose files and special ids go into the export."""
         live = self._require_live()
         out = self.folder / export_dir_name(step_dir_name(step))
         path = export_model(live["model"], out, model_args=self.model_args, dtype=self.cfg.export_dtype,
-                            rank=self.rank)
+                            rank=self.rank, tokenizer=tokenizer, eos_token=eos_token, bos_token=bos_token)
         if path is not None:
             self.log(f"checkpoint: exported the model ({self.cfg.export_dtype}, safetensors) to {path}")
         return path

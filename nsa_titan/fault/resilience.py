@@ -217,7 +217,9 @@ class Resilience:
         """After the last step: wait for the last save, export the model if asked."""
         self.ckpt.wait()
         if self.cfg.checkpoint.export_at_end:
-            return self.ckpt.export(self.train_state.step)
+            dc = self.cfg.data
+            return self.ckpt.export(self.train_state.step, tokenizer=dc.tokenizer, eos_token=dc.eos_token,
+                                    bos_token=dc.bos_token)
         return None
 
     def dead_peer(self) -> str | None:
