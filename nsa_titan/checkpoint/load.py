@@ -120,6 +120,22 @@ def _load_dcp(model: nn.Module, folder: Path) -> None:
     load_tensors({"model": mine} if nested else mine, folder, no_dist=True)
 
 
+def _fuse_llama_kv(tensors: dict[str, torch.Tensor], names: dict[str, str], model_args: dict[str, Any]) -> None:
+    """A dense model exported as Llama has k_proj / v_proj where our attention has one fused wkv ([head][k dims,
+    v dims] rows, checkpoint/export.py's _split_kv): put them back together, under the name the layer's q_proj
+    maps to with wq -> wkv (the export's name table has no entry for the split halves)."""
+    for k_name in [n for n in tensors if n.endswith("self_attn.k_proj.weight")]:
+        v_name, q_name = k_name.replace("k_proj", "v_proj"), k_name.replace("k_proj", "q_proj")
+        if v_name not in tensors or q_name not in names or not model_args:
+            raise ValueError(f"export: {k_name} without its v_proj, q_proj name or nsa_model_args in config.json; "
+                             "re-export the checkpoint with python -m nsa_titan.checkpoint.export")
+        hkv, dk = model_args["n_kv_heads"], model_args["head_dim"]
+        k, v = tensors.pop(k_name).view(hkv, dk, -1), tensors.pop(v_name).view(hkv, dk, -1)
+        fused = k_name.replace("k_proj", "kv_proj")
+        tensors[fused] = torch.cat([k, v], dim=1).reshape(2 * hkv * dk, -1)
+        names[fused] = names[q_name].replace(".wq.", ".wkv.")
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a file or export folder under the model's own parameter names (not for DCP folders)."""
     p = Path(path)
@@ -129,7 +145,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         p = p / "model.safetensors"
     if p.suffix == ".safetensors":
         tensors = read_safetensors(p)
-        names = _export_config(p.parent).get("names") or {}
+        config = _export_config(p.parent)
+        names = config.get("names") or {}
+        _fuse_llama_kv(tensors, names, config.get("nsa_model_args") or {})
         return {names.get(k, k): v for k, v in tensors.items()}
     obj = torch.load(p, map_location="cpu", weights_only=True)
     for key in ("model", "state_dict"):
