@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     dump = Path(job_config.job.dump_folder)
     logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
                            rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen,
-                           resumed_at_step=first_step - 1)
+                           resumed_at_step=first_step - 1, run_config=job_config_to_dict(job_config))
     _print0(world, f"training {tc.steps} steps x {tc.grad_accum_steps} micro-batches of "
                    f"{tc.local_batch_size} x {tc.seq_len} tokens on {world.world_size} rank(s) "
                    f"(global batch {tc.local_batch_size * tc.grad_accum_steps * parallel_dims.dp_degree} sequences)")

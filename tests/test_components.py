@@ -208,6 +208,56 @@ def test_fresh_run_moves_an_earlier_log_aside_and_resumed_run_appends(tmp_path):
     assert sorted(curves) == [1, 2, 4, 5, 6] and curves[5]["loss"] == 50.0
 
 
+def test_wandb_gets_the_same_scalars_as_tensorboard_on_rank_0_only(tmp_path, monkeypatch):
+    """metrics.enable_wandb: the run's config goes to wandb.init (offline by default), every train / val / extra
+    scalar to run.log at its step, finish() at close; other ranks open nothing. A fake wandb module stands in."""
+    import sys
+    import types
+
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls["init"].append(kw) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = metrics_cfg(enable_wandb=True, wandb_project="p", wandb_run_name="r", wandb_mode="offline")
+    for rank in (1, 0):
+        logger = MetricsLogger(cfg, dump_folder=tmp_path, total_steps=2, device=torch.device("cpu"), rank=rank,
+                               run_config={"training": {"steps": 2}})
+        logger.step_start()
+        logger.step_end(1, torch.tensor(3.0), torch.tensor(1.0), 10)
+        logger.step_start()
+        logger.step_end(2, torch.tensor(2.0), torch.tensor(1.0), 10)
+        logger.log(2, lr=1e-3)
+        logger.log_val(2, {"val_loss": 2.5})
+        logger.log_extra("nsa_diag", 2, {}, scalars={"nsa/x": 0.5})
+        logger.close()
+        if rank == 1:
+            assert calls == {"init": [], "log": [], "finish": 0}
+    assert calls["init"] == [{"project": "p", "name": "r", "mode": "offline", "dir": str(tmp_path),
+                              "config": {"training": {"steps": 2}}}]
+    logged = {name: (step, value) for step, data in calls["log"] for name, value in data.items()}
+    assert logged["train/loss"] == (2, 2.5) and logged["val/val_loss"] == (2, 2.5) and logged["nsa/x"] == (2, 0.5)
+    assert logged["train/lr"] == (2, 1e-3) and calls["finish"] == 1
+
+
+def test_wandb_without_the_package_is_a_config_error_naming_the_fix(monkeypatch):
+    import importlib.util
+
+    from nsa_titan.config import ConfigError, load_job_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        load_job_config(["--metrics.enable_wandb"])
+
+
 def test_plot_writes_one_png_for_several_runs(tmp_path):
     pytest.importorskip("matplotlib")
     from nsa_titan.plot import main as plot_main

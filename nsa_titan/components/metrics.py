@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
+from nsa_titan.components.metric_sinks import open_sinks
+
 GIB = float(2**30)
 
 
@@ -132,7 +134,7 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
 
 
 class MetricsLogger:
-    """Accumulates per-step metrics on device; on log steps emits console + JSONL (+ TensorBoard).
+    """Accumulates per-step metrics on device; on log steps emits console + JSONL (+ TensorBoard / wandb).
 
     ``clock``, ``busy_timer`` and ``print_fn`` are injectable so tests can simulate timings.
     Only rank 0 writes/prints; other ranks keep no window state and never sync.
@@ -155,6 +157,7 @@ class MetricsLogger:
         busy_warn_threshold: float = 0.9,
         tokens_seen: int = 0,
         resumed_at_step: int = 0,
+        run_config: dict[str, Any] | None = None,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -176,7 +179,7 @@ class MetricsLogger:
         self._reset_window(start=None)
 
         self._jsonl = None
-        self._tb = None
+        self._sinks: list[Any] = []  # TensorBoard / wandb (components/metric_sinks.py)
         if self.enabled:
             folder = Path(dump_folder)
             folder.mkdir(parents=True, exist_ok=True)
@@ -184,14 +187,7 @@ class MetricsLogger:
                 self.jsonl_path = folder / metrics_cfg.jsonl_file
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
                 self._jsonl = self._open_jsonl(self.jsonl_path, resumed_at_step)
-            if metrics_cfg.enable_tensorboard:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
-
-                    self._tb = SummaryWriter(log_dir=str(folder / "tb"))
-                except ImportError as e:
-                    self._print(f"WARNING: metrics.enable_tensorboard is set but TensorBoard is unavailable ({e}); "
-                                "logging to console/JSONL only")
+            self._sinks = open_sinks(metrics_cfg, folder, run_config, self._print)
 
     def _open_jsonl(self, path: Path, resumed_at_step: int):
         """Line-buffered (readable while running) and never losing an earlier record: a resumed run appends
@@ -323,11 +319,11 @@ class MetricsLogger:
         self.records.append(record)
         self._print(format_train_line(record, self.total_steps))
         self._write(record)
-        if self._tb is not None:
+        if self._sinks:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "tflops_per_gpu",
                         "peak_mem_gib", "peak_mem_active_gib", "peak_mem_reserved_gib", "data_time_s", "gpu_busy"):
                 if record[key] is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], step)
+                    self._scalar(f"train/{key}", record[key], step)
         self._reset_window(start=self._clock())
         return record
 
@@ -339,9 +335,8 @@ class MetricsLogger:
         parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()]
         self._print(f"val  {step:>6d}/{self.total_steps} | " + " | ".join(parts))
         self._write(record)
-        if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(f"val/{k}", v, step)
+        for k, v in metrics.items():
+            self._scalar(f"val/{k}", v, step)
 
     def log_extra(self, kind: str, step: int, values: dict[str, Any], *, line: str | None = None,
                   scalars: dict[str, float] | None = None) -> None:
@@ -352,9 +347,12 @@ class MetricsLogger:
         self._write({"type": kind, "step": step, **values})
         if line:
             self._print(line)
-        if self._tb is not None:
-            for name, value in (scalars or {}).items():
-                self._tb.add_scalar(name, value, step)
+        for name, value in (scalars or {}).items():
+            self._scalar(name, value, step)
+
+    def _scalar(self, name: str, value: float, step: int) -> None:
+        for sink in self._sinks:
+            sink.scalar(name, value, step)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl is not None:
@@ -403,6 +401,6 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import math
 import os
 import sys
@@ -289,6 +290,15 @@ class Metrics:
     """JSON-lines metrics file, relative to job.dump_folder."""
     enable_tensorboard: bool = False
     """Also write TensorBoard events (needs the `tensorboard` package)."""
+    enable_wandb: bool = False
+    """Also log the same scalars to Weights & Biases (needs `pip install wandb`), rank 0 only, with the resolved
+    config as the run's config; files under <dump_folder>/wandb."""
+    wandb_project: str = "nsa_titan"
+    """wandb project name."""
+    wandb_run_name: str | None = None
+    """wandb run name (None: wandb picks one)."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """'offline' (default: no network needed; `wandb sync` uploads later), 'online', or 'disabled'."""
     val_freq: int = 0
     """Evaluate on the held-out split every this many steps (0: never)."""
     val_steps: int = 8
@@ -303,6 +313,9 @@ class Metrics:
         _check(bool(self.jsonl_file), "metrics.jsonl_file", "must not be empty; e.g. metrics.jsonl")
         _check(self.val_freq >= 0, "metrics.val_freq", f"must be >= 0 (0 turns validation off), got {self.val_freq}")
         _check(self.val_steps >= 1, "metrics.val_steps", f"must be >= 1, got {self.val_steps}")
+        if self.enable_wandb:
+            _check(importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
+                   "needs the `wandb` package: pip install wandb (or drop --metrics.enable_wandb)")
 
 
 @dataclass
