@@ -85,3 +85,28 @@ def test_start_up_log_names_the_kernel(tmp_path):
     assert "attn_impl=torch, window branch: band)" in out
     _, out = run(args(tmp_path / "dense", "--training.steps", "2", "--model.attn_type", "dense"))
     assert "dense attention: sdpa)" in out
+
+
+# --- packed documents (issue 14, item 4) ---
+
+T_DOC = 300  # three 128-blocks, documents starting inside blocks and on a block edge
+DOC_STARTS = ([0, 23, 140, 256], [0, 150])
+
+
+def doc_start(starts_per_row=DOC_STARTS, t=T_DOC):
+    """First position of each token's document, [B, T] int32 (the dtype data/documents.py gives the model)."""
+    pos = torch.arange(t)
+    rows = [torch.tensor(s)[torch.searchsorted(torch.tensor(s), pos, right=True) - 1] for s in starts_per_row]
+    return torch.stack(rows).to(torch.int32)
+
+
+@pytest.mark.parametrize("t,w,starts", [(77, 24, ([0, 23, 40, 64], [0, 50])), (130, 17, ([0, 17, 34], [0, 1])),
+                                        (64, 64, ([0, 32], [0, 63]))])
+def test_band_with_documents_matches_the_reference_with_gradients(t, w, starts):
+    q, k, v = qkv(t, grad=True)
+    ds = doc_start(starts, t)
+    got, want = la.band_window_attention(q, k, v, w, ds), ref_window(q, k, v, w, ds)
+    assert torch.allclose(got, want, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)),
+                    torch.autograd.grad(want.square().sum(), (q, k, v))):
+        assert torch.allclose(a, b, atol=1e-9)

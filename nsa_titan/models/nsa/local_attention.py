@@ -79,8 +79,9 @@ def run_window(backend: str, q, k, v, window: int):
     return band_window_attention(q, k, v, window)
 
 
-def band_window_attention(q, k, v, window: int):
-    """Chunks of c = min(window, T) queries against their own and the previous chunk of keys."""
+def band_window_attention(q, k, v, window: int, doc_start=None):
+    """Chunks of c = min(window, T) queries against their own and the previous chunk of keys. ``doc_start``
+    [B, T] (packed documents) also masks keys before the query's document: a [B, T/w, w, 2w] mask, no [T, T]."""
     b, t, hq, dk = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
     c = max(1, min(window, t))
@@ -101,7 +102,12 @@ def band_window_attention(q, k, v, window: int):
     kj = torch.arange(2 * c, device=q.device)[None, :]
     local = (kj <= qi) & (kj > qi - window)  # [c, 2c], the same for every chunk
     first = local & (kj >= c)  # chunk 0's previous chunk is padding
-    mask = torch.cat([first[None], local[None].expand(n - 1, -1, -1)])[:, None, None]  # [n, 1, 1, c, 2c]
+    mask = torch.cat([first[None], local[None].expand(n - 1, -1, -1)])  # [n, c, 2c]
+    if doc_start is not None:  # key (m - 1)*c + j at or after the document start of query m*c + i
+        ds = F.pad(doc_start.long(), (0, pad)).view(b, n, c, 1)  # padded queries are cut off below
+        kpos = torch.arange(n, device=q.device)[:, None, None] * c - c + kj  # [n, 1, 2c]
+        mask = mask & (kpos >= ds)  # [B, n, c, 2c]
+    mask = mask.unsqueeze(-3).unsqueeze(-3)  # [(B,) n, 1, 1, c, 2c]: broadcast over KV heads and groups
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, vv.permute(0, 1, 3, 2, 4).unsqueeze(3))  # [B, n, HKV, G, c, Dv]
