@@ -87,7 +87,7 @@ def test_start_up_log_names_the_kernel(tmp_path):
     assert "dense attention: sdpa)" in out
 
 
-# --- packed documents (issue 14, item 4) ---
+# --- packed documents (issue 14, item 4): FlexAttention's mask_mod on CUDA, the band or an explicit mask on CPU ---
 
 T_DOC = 300  # three 128-blocks, documents starting inside blocks and on a block edge
 DOC_STARTS = ([0, 23, 140, 256], [0, 150])
@@ -100,6 +100,72 @@ def doc_start(starts_per_row=DOC_STARTS, t=T_DOC):
     return torch.stack(rows).to(torch.int32)
 
 
+def ref_documents(q, k, v, ds, window=None):
+    """reference.py's window branch; with no window (the dense baseline) a window as long as the sequence."""
+    return ref_window(q, k, v, window or q.shape[1], ds)
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """The CUDA flex path with eager FlexAttention and create_block_mask: FlexAttention runs forward-only on CPU,
+    and eager is exact (it materialises the scores, which is why the real path compiles them)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    monkeypatch.setattr(la, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(la, "_compiled_create_block_mask", lambda: create_block_mask)
+
+
+@pytest.mark.parametrize("window", [None, 1, 24, 200])
+def test_document_mask_mod_is_the_reference_rule(window):
+    ds = doc_start()
+    b, q_idx, kv_idx = (torch.arange(n).view(*[-1 if i == d else 1 for i in range(3)])
+                        for d, n in enumerate((2, T_DOC, T_DOC)))
+    got = la.document_mask_mod(ds, window)(b, None, q_idx, kv_idx)  # [B, T, T] on the whole grid
+    s = torch.arange(T_DOC)
+    want = (s[None, :] <= s[:, None]) & (s >= ds.long()[..., None])
+    if window is not None:
+        want = want & (s[None, :] > s[:, None] - window)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 24, 200])
+def test_flex_documents_match_the_reference(eager_flex, window):
+    q, k, v = (x.float() for x in qkv(T_DOC))  # Dv != Dk, GQA
+    ds = doc_start()
+    got = la._flex_documents(q, k, v, ds, window)
+    assert (got - ref_documents(q, k, v, ds, window)).abs().max() < 1e-5
+    if window is None:
+        assert (got - la._sdpa_documents(q, k, v, ds)).abs().max() < 1e-5
+
+
+def test_flex_document_block_mask_is_per_row_and_skips_earlier_documents():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = create_block_mask(la.document_mask_mod(doc_start()), 2, None, T_DOC, T_DOC, device="cpu")
+    assert tuple(mask.kv_num_blocks.shape) == (2, 1, 3)  # a table of blocks per batch row, shared by the heads
+    touched = mask.kv_num_blocks + mask.full_kv_num_blocks  # key blocks each query block reads
+    assert touched[0, 0].tolist() == [1, 2, 1]  # row 0: the document at 256 reads its own block only
+    assert touched[1, 0].tolist() == [1, 2, 2]  # row 1: the document at 150 starts in block 1
+
+
+def test_flex_documents_are_causal_and_do_not_see_the_previous_document(eager_flex):
+    q, k, v = (x.float() for x in qkv(T_DOC))
+    ds = doc_start()
+    base = la._flex_documents(q, k, v, ds, None)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 200:] += 3.0  # the future of position 199
+    v2[:, 200:] += 3.0
+    out = la._flex_documents(q, k2, v2, ds, None)
+    assert torch.equal(out[:, :200], base[:, :200]) and (out[:, 200:] - base[:, 200:]).abs().max() > 1e-2
+    for row, boundary in ((0, 140), (1, 150)):
+        k2, v2 = k.clone(), v.clone()
+        k2[row, :boundary] += 3.0  # every key and value of the documents before the boundary
+        v2[row, :boundary] += 3.0
+        out = la._flex_documents(q, k2, v2, ds, None)
+        assert torch.equal(out[row, boundary:], base[row, boundary:])
+        assert (out[row, :boundary] - base[row, :boundary]).abs().max() > 1e-2  # (the change reached its own)
+
+
 @pytest.mark.parametrize("t,w,starts", [(77, 24, ([0, 23, 40, 64], [0, 50])), (130, 17, ([0, 17, 34], [0, 1])),
                                         (64, 64, ([0, 32], [0, 63]))])
 def test_band_with_documents_matches_the_reference_with_gradients(t, w, starts):
@@ -110,3 +176,26 @@ def test_band_with_documents_matches_the_reference_with_gradients(t, w, starts):
     for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)),
                     torch.autograd.grad(want.square().sum(), (q, k, v))):
         assert torch.allclose(a, b, atol=1e-9)
+
+
+def test_document_dispatch(monkeypatch, eager_flex):
+    # CUDA: FlexAttention whatever the dtype and flash-attn (no per-token mask there); CPU: band / explicit mask.
+    monkeypatch.setattr(la, "_flash_attn_func", fake_flash_attn_func)
+    assert la.document_backend("cuda", True) == la.document_backend("cuda", False) == "flex"
+    assert (la.document_backend("cpu", True), la.document_backend("cpu", False)) == ("band", "sdpa-mask")
+    q, k, v = qkv(T_DOC)
+    ds = doc_start()
+    for window in (None, 24):
+        assert torch.allclose(la.document_attention(q, k, v, ds, window), ref_documents(q, k, v, ds, window),
+                              atol=1e-10)
+    monkeypatch.setattr(la, "document_backend", lambda device_type, windowed: "flex")  # the CUDA route, on CPU
+    q, k, v = (x.float() for x in (q, k, v))
+    assert (la.document_attention(q, k, v, ds, 24) - ref_documents(q, k, v, ds, 24)).abs().max() < 1e-5
+
+
+def test_flex_documents_trace_in_one_graph():
+    """fullgraph=True through create_block_mask and flex_attention (aot_eager: no C++ toolchain, forward only)."""
+    q, k, v = (x.float() for x in qkv(T_DOC))
+    ds = doc_start()
+    fn = torch.compile(lambda *a: la._flex_documents(*a, 24), fullgraph=True, backend="aot_eager")
+    assert (fn(q, k, v, ds) - ref_documents(q, k, v, ds, 24)).abs().max() < 1e-5

@@ -189,14 +189,9 @@ class DenseAttention(nn.Module):
         if doc_start is None:
             out = local_attention.causal_attention(q, k, v)  # flash-attn when installed, else SDPA(is_causal)
             return self.wo(out.reshape(b, t, self.n_heads * self.v_head_dim))
-        # Packed documents: causal within each document, a [B, 1, T, T] mask (O(T^2) memory).
-        s = torch.arange(t, device=x.device)
-        mask = (s[None, :] <= s[:, None]) & (s >= doc_start.view(b, 1, t, 1))
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+        # Packed documents: causal within each document; FlexAttention on CUDA, an explicit mask on CPU.
+        out = local_attention.document_attention(q, k, v, doc_start)
+        return self.wo(out.reshape(b, t, self.n_heads * self.v_head_dim))
 
     def init_weights(self, init_std: float) -> None:
         for lin in (self.wq, self.wkv):

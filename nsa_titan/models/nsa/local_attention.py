@@ -14,6 +14,20 @@ and the trainer names it at start-up (``describe``):
 The dense baseline keeps ``scaled_dot_product_attention(is_causal=True)`` without flash-attn: it builds no
 mask either and already dispatches to PyTorch's fused flash / memory-efficient kernels, which a FlexAttention
 causal mask would only re-derive.
+
+Packed documents (``doc_start`` [B, T], the first position of each token's document; reference.py's rule: key s
+is visible to query t iff doc_start[t] <= s <= t) go through ``document_attention``, which picks by device type
+alone (``document_backend``), because the per-token rule is what limits the choice:
+
+- **flex** (CUDA, any dtype): FlexAttention with ``mask_mod`` causal & kv >= doc_start[b, q] (& q - kv < w for
+  the window), its BlockMask from ``create_block_mask`` per batch row (H=None: every head shares it). Both are
+  compiled: eager ``create_block_mask`` would evaluate the mask_mod on the whole [B, 1, T, T] grid. flash-attn
+  is not used even when installed: ``flash_attn_func`` takes no per-token mask, and its varlen form needs the
+  document lengths on the host (a sync per step).
+- **band** (CPU, the window): the banded form above with the document rule in its [B, T/w, w, 2w] mask.
+- **sdpa-mask** (CPU, the dense baseline): SDPA with an explicit [B, 1, T, T] mask, O(T^2) memory. CPU runs only
+  tests and tiny models, FlexAttention has no CPU backward (torch 2.13), and eager it materialises the scores
+  anyway.
 """
 
 from __future__ import annotations
@@ -23,8 +37,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FLASH_ATTN_ERROR", "causal_attention", "dense_backend", "describe", "window_attention",
-           "window_backend", "window_block_mask"]
+__all__ = ["FLASH_ATTN_ERROR", "causal_attention", "dense_backend", "describe", "document_attention",
+           "document_backend", "document_mask_mod", "window_attention", "window_backend", "window_block_mask"]
 
 # Resolved once at import (the forward runs under torch.compile and must not try imports).
 try:
@@ -45,6 +59,13 @@ def window_backend(device_type: str, dtype: torch.dtype) -> str:
 
 def dense_backend(device_type: str, dtype: torch.dtype) -> str:
     return "flash-attn" if device_type == "cuda" and dtype in _HALF and _flash_attn_func is not None else "sdpa"
+
+
+def document_backend(device_type: str, windowed: bool) -> str:
+    """The kernel for packed documents; the module doc says why it depends on the device type only."""
+    if device_type == "cuda":
+        return "flex"
+    return "band" if windowed else "sdpa-mask"
 
 
 def describe(attn_type: str, attn_impl: str, device_type: str, mixed_precision: str) -> str:
@@ -147,4 +168,51 @@ def _flex_window(q, k, v, window: int):
     mask = window_block_mask(q.shape[1], window, q.device)
     out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                            enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def document_attention(q, k, v, doc_start, window: int | None = None):
+    """Causal attention inside each packed document (``doc_start`` [B, T]), over the last ``window`` positions
+    when given (the window branch; None: the dense baseline). Shapes as ``causal_attention``."""
+    backend = document_backend(q.device.type, window is not None)
+    if backend == "flex":
+        return _flex_documents(q, k, v, doc_start, window)
+    if backend == "band":
+        return band_window_attention(q, k, v, window, doc_start)
+    return _sdpa_documents(q, k, v, doc_start)
+
+
+def document_mask_mod(doc_start, window: int | None = None):
+    """FlexAttention mask_mod of reference.py's document rule: row b's query q sees key kv iff
+    doc_start[b, q] <= kv <= q (and q - kv < window when given)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = (kv_idx <= q_idx) & (kv_idx >= doc_start[b, q_idx])
+        return visible if window is None else visible & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - optional (the flex path only)
+
+    # A new mask_mod closure per step (a new doc_start) does not recompile: the captured tensor is a graph input.
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+def _flex_documents(q, k, v, doc_start, window: int | None):
+    b, t = doc_start.shape
+    mask = _compiled_create_block_mask()(document_mask_mod(doc_start, window), b, None, t, t, device=q.device)
+    out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                           enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _sdpa_documents(q, k, v, doc_start):
+    b, t = doc_start.shape
+    s = torch.arange(t, device=q.device)
+    mask = (s[None, :] <= s[:, None]) & (s >= doc_start.view(b, 1, t, 1))  # [B, 1, T, T]: the reason CPU only
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)

@@ -6,7 +6,7 @@ reference are in construction only:
 - the overlap map is counted per sub-block of d positions, not by a token membership product;
 - top-n is a stable descending sort (ties keep the lower index) instead of an all-pairs ranking;
 - selected attention runs through ``scaled_dot_product_attention`` with a boolean mask; the window through
-  ``local_attention.window_attention`` (flash-attn, FlexAttention or a banded form: no [T, T] mask).
+  ``local_attention`` (flash-attn, FlexAttention or a banded form: no [T, T] mask, packed documents included).
 Memory is still O(T^2) per KV head for the selection mask; the kernels issue removes that.
 """
 
@@ -130,17 +130,10 @@ def selected_attention(q, k, v, block_idx, p: NSAParams, doc_start=None):
 
 def window_attention(q, k, v, window: int, doc_start=None):
     """Banded on CPU, FlexAttention or flash-attn on CUDA (local_attention.py): no [T, T] mask. Packed documents
-    (doc_start) take an explicit [B, 1, T, T] mask through SDPA instead."""
+    (doc_start): the banded form on CPU, FlexAttention with a document mask_mod on CUDA."""
     if doc_start is None:
         return local_attention.window_attention(q, k, v, window)
-    b, t, hq = q.shape[:3]
-    n_rep = hq // k.shape[2]
-    s = torch.arange(t, device=q.device)
-    mask = _causal_in_doc(t, doc_start, b, q.device) & (s[None, :] > s[:, None] - window)  # broadcast over heads
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), _heads_first(k, n_rep), _heads_first(v, n_rep), attn_mask=mask
-    )
-    return out.transpose(1, 2)
+    return local_attention.document_attention(q, k, v, doc_start, window)
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p: NSAParams, doc_start=None):
