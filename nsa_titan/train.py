@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         "training_flops_per_token": flops_per_token,
         "attn_impl": attn_impl,
     }
-    kernels = describe_attention(model_args.attn_type, attn_impl, device.type, tc.mixed_precision)
+    kernels = describe_attention(model_args.attn_type, attn_impl, device.type, tc.mixed_precision,
+                                 documents=job_config.data.document_mask)
     impl_text = attn_impl + (f" ({model_args.attn_impl})" if attn_impl != model_args.attn_impl else "")
     _print0(world, f"model {model_info['flavor']} ({model_args.attn_type}, attn_impl={impl_text}"
                    f"{', ' + kernels if kernels else ''}): "

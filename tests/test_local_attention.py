@@ -76,6 +76,10 @@ def test_flash_attn_dispatch(monkeypatch):
     assert la.describe("nsa", "torch", "cuda", "bf16") == "window branch: flash-attn"
     assert la.describe("nsa", "torch", "cuda", "fp32") == "window branch: flex"
     assert la.describe("nsa", "triton", "cuda", "bf16") == ""
+    assert la.describe("dense", "torch", "cuda", "bf16", documents=True) == "dense attention: flex (documents)"
+    assert la.describe("nsa", "torch", "cuda", "bf16", documents=True) == "window branch: flex (documents)"
+    assert la.describe("dense", "torch", "cpu", "fp32", documents=True) == "dense attention: sdpa-mask (documents)"
+    assert la.describe("nsa", "auto", "cpu", "fp32", documents=True) == "window branch: band (documents)"
 
 
 def test_start_up_log_names_the_kernel(tmp_path):
@@ -85,6 +89,8 @@ def test_start_up_log_names_the_kernel(tmp_path):
     assert "attn_impl=torch, window branch: band)" in out
     _, out = run(args(tmp_path / "dense", "--training.steps", "2", "--model.attn_type", "dense"))
     assert "dense attention: sdpa)" in out
+    _, out = run(args(tmp_path / "docs", "--training.steps", "2", "--data.document_mask"))
+    assert "attn_impl=torch, window branch: band (documents))" in out
 
 
 # --- packed documents (issue 14, item 4): FlexAttention's mask_mod on CUDA, the band or an explicit mask on CPU ---

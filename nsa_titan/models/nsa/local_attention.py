@@ -68,13 +68,17 @@ def document_backend(device_type: str, windowed: bool) -> str:
     return "band" if windowed else "sdpa-mask"
 
 
-def describe(attn_type: str, attn_impl: str, device_type: str, mixed_precision: str) -> str:
-    """The start-up log's name for the kernel of the dense baseline, or of the torch path's window branch."""
+def describe(attn_type: str, attn_impl: str, device_type: str, mixed_precision: str, documents: bool = False) -> str:
+    """The start-up log's name for the kernel of the dense baseline, or of the torch path's window branch
+    (``documents``: data.document_mask, which takes ``document_backend`` instead)."""
     dtype = torch.bfloat16 if mixed_precision == "bf16" and device_type == "cuda" else torch.float32
+    suffix = " (documents)" if documents else ""
     if attn_type == "dense":
-        return f"dense attention: {dense_backend(device_type, dtype)}"
+        kernel = document_backend(device_type, False) if documents else dense_backend(device_type, dtype)
+        return f"dense attention: {kernel}{suffix}"
     if attn_impl == "torch" or (attn_impl == "auto" and device_type != "cuda"):
-        return f"window branch: {window_backend(device_type, dtype)}"
+        kernel = document_backend(device_type, True) if documents else window_backend(device_type, dtype)
+        return f"window branch: {kernel}{suffix}"
     return ""  # the Triton kernels and the reference have their own window code
 
 
