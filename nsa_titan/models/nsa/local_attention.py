@@ -1,4 +1,5 @@
-"""Sliding-window and plain causal attention for the portable path, without a T x T mask anywhere.
+"""Sliding-window and plain causal attention for the portable path, without a T x T mask (one exception: packed
+documents in the dense baseline on CPU, below).
 
 Which kernel runs is a pure function of (flash-attn installed, device type, dtype), so it is fixed for a run
 and the trainer names it at start-up (``describe``):
