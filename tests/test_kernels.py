@@ -177,6 +177,31 @@ def _blocks_fwd_check(device):
             "worst": worst}
 
 
+def _decode_fused_check(device):
+    """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
+    logits of a full forward (prompt lengths 0 and 37, G 2 and 6, shared K/V with mean compression). The model's
+    attention weights are sharpened (tests/test_decode.py) so that a wrong block choice shows in the logits.
+    On CUDA fp32 tl.dot runs in tf32, hence the looser bound there."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from nsa_titan.models.nsa.decode import KVCache, decode_step, prefill
+    from test_decode import tiny_model  # noqa: PLC0415 - tests/ is on the path only in this child
+
+    worst = 0.0
+    for n_prefill, kw in [(0, {"slc_top_n": 4}), (37, {"slc_top_n": 5, "n_heads": 6, "n_kv_heads": 1}),
+                          (64, {"slc_top_n": 4, "shared_kv": True, "compress": "mean"})]:
+        model = tiny_model(**kw).to(device)
+        tokens = torch.randint(0, 260, (2, 100), generator=torch.Generator().manual_seed(1)).to(device)
+        cache = KVCache(model, 2, 100, fused=True)
+        assert all(layer.fused is not None for layer in cache.layers)
+        out = [prefill(model, tokens[:, :n_prefill], cache)] if n_prefill else []
+        out += [decode_step(model, cache, tokens[:, t: t + 1])[:, None] for t in range(n_prefill, 100)]
+        with torch.no_grad():
+            worst = max(worst, float((torch.cat(out, 1) - model(tokens)).abs().max()))
+    return {"ok": worst < (1e-4 if device == "cpu" else 5e-3), "worst": worst}
+
+
 def main(device: str) -> None:
     for case in CASES + DOC_CASES:
         t0 = time.time()
@@ -187,7 +212,7 @@ def main(device: str) -> None:
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
     for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
-                        ("sel_blocks", _blocks_fwd_check)):
+                        ("sel_blocks", _blocks_fwd_check), ("decode_fused", _decode_fused_check)):
         try:
             res = check(device)
         except Exception as e:  # noqa: BLE001 - as above
@@ -214,7 +239,7 @@ def verdicts():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES] + ["compile_fullgraph", "no_aux_grads",
-                                                                       "sel_blocks"])
+                                                                       "sel_blocks", "decode_fused"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"

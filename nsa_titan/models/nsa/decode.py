@@ -54,7 +54,7 @@ def nsa_tokens_read(t: int, p: NSAParams) -> int:
 class NSALayerCache:
     """One NSA layer's cache (see the module docstring); ``attend`` is its attention for one new token."""
 
-    def __init__(self, kv: KVCache, attn: NSAAttention, batch: int, capacity: int, device, dtype):
+    def __init__(self, kv: KVCache, attn: NSAAttention, batch: int, capacity: int, device, dtype, fused=None):
         p = attn.params
         self.kv, self.p, self.attn = kv, p, attn
         self.last_reads: dict[str, int] = {}
@@ -69,6 +69,9 @@ class NSALayerCache:
         # Index grids for gathering [B, HKV, n] blocks at once (made once: no per-step allocations).
         self.rows = torch.arange(batch, device=device)[:, None, None]
         self.heads = torch.arange(hkv, device=device)[None, :, None]
+        self.fused = fused_kernel(fused, device, attn)
+        # The fused kernel's scratch row of group-summed compressed probabilities (fp32, made once).
+        self.psum = torch.zeros(batch, hkv, max(1, tc), device=device, dtype=torch.float32) if self.fused else None
 
     @property
     def pos(self) -> int:
@@ -118,6 +121,11 @@ class NSALayerCache:
         b = q.shape[0]
         hkv, g = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
         compress_reads = self.append(raw, slc, win, t)
+        if self.fused is not None:  # the same rules in one Triton kernel (kernels/decode.py)
+            self.last_reads = {"cmp": p.num_cmp_tokens(t + 1), "slc": nsa_tokens_read(t, p) - p.num_cmp_tokens(t + 1)
+                               - min(p.window, t + 1), "win": min(p.window, t + 1), "compress": compress_reads}
+            return self.fused(q, self.k_cmp, self.v_cmp, self.k_slc, self.v_slc, self.k_win, self.v_win, gates,
+                              self.psum, t, p)
         qg = q.view(b, hkv, g, attn.head_dim)  # query head h = kv * G + g reads KV head kv, as in training
 
         # Compressed branch over the visible compressed tokens, softmax in fp32 as in torch_impl.
@@ -158,6 +166,26 @@ class NSALayerCache:
                                                                                            o_win.to(o_cmp.dtype))
         self.last_reads = {"cmp": nc, "slc": cur_k.shape[2], "win": m, "compress": compress_reads}
         return out
+
+
+def fused_kernel(want: bool | None, device, attn: NSAAttention):
+    """The fused Triton decode attention (kernels/decode.py) or None for the torch path above, which is its spec.
+    ``want`` None: the kernel on CUDA when triton imports and the head dims suit it; True: the kernel or a clear
+    error (tests run it on CPU under TRITON_INTERPRET=1); False: the torch path."""
+    if want is False or (want is None and torch.device(device).type != "cuda"):
+        return None
+    try:
+        from nsa_titan.kernels import decode as kernel  # noqa: PLC0415 - optional (triton)
+    except ImportError as e:
+        if want:
+            raise ValueError(f"fused NSA decoding needs triton ({e}); build the KVCache with fused=False") from e
+        return None
+    if not kernel.supported(attn.head_dim, attn.v_head_dim, attn.params.slc_block):
+        if want:
+            raise ValueError(f"fused NSA decoding needs head dims and slc_block that are powers of 2 >= 16 (got "
+                             f"{attn.head_dim}, {attn.v_head_dim}, {attn.params.slc_block}); use fused=False")
+        return None
+    return kernel.nsa_decode_attend
 
 
 def block_importance(group_probs: torch.Tensor, num_blocks: int, p: NSAParams) -> torch.Tensor:
@@ -215,9 +243,11 @@ class KVCache:
     ``capacity``: the most tokens prompt + generation will hold (<= the model's RoPE table). ``dtype``:
     that of the K/V the projections produce (the parameters' dtype, or bf16 under bf16 autocast).
     ``last_reads``: per layer, the tokens the last decode step gathered per row and KV head, by branch.
+    ``fused``: NSA layers attend through one Triton kernel per layer and step (None: on CUDA when available;
+    True: required; False: the torch path, the kernel's spec).
     """
 
-    def __init__(self, model, batch_size: int, capacity: int, device=None, dtype=None):
+    def __init__(self, model, batch_size: int, capacity: int, device=None, dtype=None, fused: bool | None = None):
         rope_len = model.rope_cos.shape[0]
         if capacity > rope_len:
             raise ValueError(f"cache capacity {capacity} exceeds the model's RoPE table ({rope_len} positions); "
@@ -227,8 +257,11 @@ class KVCache:
         self.capacity, self.batch_size, self.pos = int(capacity), int(batch_size), 0
         self.layers = []
         for block in model.layers.values():
-            kind = NSALayerCache if isinstance(block.attention, NSAAttention) else DenseLayerCache
-            self.layers.append(kind(self, block.attention, batch_size, capacity, device, dtype))
+            if isinstance(block.attention, NSAAttention):
+                layer = NSALayerCache(self, block.attention, batch_size, capacity, device, dtype, fused)
+            else:
+                layer = DenseLayerCache(self, block.attention, batch_size, capacity, device, dtype)
+            self.layers.append(layer)
         self.last_reads: list[dict[str, int]] = []
 
     def _check_room(self, tokens: torch.Tensor) -> None:
