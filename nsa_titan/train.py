@@ -30,6 +30,7 @@ from nsa_titan.components.profiling import TrainProfiler
 from nsa_titan.components.runtime import (
     World,
     autocast_context,
+    configure_cuda_allocator,
     device_name,
     resolve_device,
     seed_everything,
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     device = resolve_device(tc.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    configure_cuda_allocator(device, tc.expandable_segments)
     seed_everything(tc.seed)
     if tc.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -12,8 +12,9 @@ from _reference_step import reference_forward_backward
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
 from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
 from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
-from nsa_titan.components.runtime import World, world_from_env
+from nsa_titan.components.runtime import World, configure_cuda_allocator, world_from_env
 from nsa_titan.components.train_step import clip_grad_norm, evaluate, forward_backward, train_step
+from nsa_titan.config import load_job_config
 from nsa_titan.data import IGNORE_INDEX
 
 
@@ -497,3 +498,15 @@ def test_forward_backward_and_clip_have_no_host_sync(monkeypatch):
     norm_unclipped = clip_grad_norm(model, list(model.parameters()), 0.0)
     monkeypatch.undo()
     assert loss.item() > 0 and norm.item() > 0 and norm_unclipped.item() > 0
+
+
+def test_expandable_segments_set_only_on_cuda_and_when_asked(monkeypatch):
+    """training.expandable_segments reaches the CUDA caching allocator, and nothing happens on CPU or when off."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    configure_cuda_allocator(torch.device("cpu"), True)
+    configure_cuda_allocator(torch.device("cuda", 0), False)
+    assert calls == []
+    configure_cuda_allocator(torch.device("cuda", 0), True)
+    assert calls == ["expandable_segments:True"]
+    assert load_job_config(["--training.expandable_segments"]).training.expandable_segments is True

@@ -66,6 +66,13 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     raise ValueError(f"training.device must be 'auto', 'cpu' or 'cuda', got {spec!r}")
 
 
+def configure_cuda_allocator(device: torch.device, expandable_segments: bool) -> None:
+    """training.expandable_segments on a CUDA device (a no-op elsewhere). It applies to the segments allocated
+    from then on, so the trainer calls it before building the model."""
+    if device.type == "cuda" and expandable_segments:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

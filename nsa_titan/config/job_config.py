@@ -97,6 +97,9 @@ class Training:
     """Random seed (parameter init, data order, synthetic data)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower; for debugging and reproducibility tests)."""
+    expandable_segments: bool = False
+    """CUDA: the caching allocator grows segments in place (expandable_segments) instead of adding fixed ones, so
+    buffers of many sizes (FSDP all-gathers, activations) leave less memory reserved but unused."""
     gc_freq: int = 50
     """Python garbage collection after every gc_freq-th step, on all ranks at the same step (0: Python's automatic
     collection, which pauses each rank at its own moment and makes the other ranks wait at the next collective)."""
