@@ -45,7 +45,9 @@ def _online(s, v, m, l, acc):
     return m_new, l, acc
 
 
-@triton.jit
+# The positions change every step: left unspecialised, one compiled kernel serves them all (Triton would otherwise
+# compile a variant per value class of each: equal to 1, divisible by 16, other).
+@triton.jit(do_not_specialize=["t", "nc", "cur", "k_sel", "m_win"])
 def _decode_kernel(Q, KC, VC, KS, VS, KW, VW, GATES, OUT, PSUM, t, nc, cur, k_sel, m_win, scale,
                    s_kc0, s_kc1, s_vc0, s_vc1, s_ks0, s_ks1, s_vs0, s_vs1, s_kw0, s_kw1, s_vw0, s_vw1, s_ps,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
