@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                                         local_batch_size=tc.local_batch_size, rank=dp_rank,
                                         world_size=parallel_dims.dp_degree, seed=tc.seed, split="train", report=warn,
                                         window=model_args.window, num_workers=job_config.data.num_workers,
-                                        log=functools.partial(_print0, world))
+                                        log=functools.partial(_print0, world), grad_accum_steps=tc.grad_accum_steps)
         val_batches = (_fixed_val_batches(job_config, tokenizer, parallel_dims, dp_rank, warn, model_args.window)
                        if mc.val_freq > 0 else [])
     except ConfigError:

@@ -435,3 +435,38 @@ def test_repeat_queries_and_unique_values_change_the_samples_as_documented():
         RetrievalTask(TOK, 400, num_pairs=16, num_queries=4, value_len=1, unique_values=True)
     with pytest.raises(ValueError, match="retrieval_queries"):
         RetrievalTask(TOK, 200, num_pairs=4, num_queries=4, queries="sometimes")
+
+
+def test_retrieval_curriculum_grows_the_pair_distance_then_matches_the_plain_task():
+    """data.retrieval_curriculum_steps: early training samples keep their pairs next to the gap, the reach grows
+    with the sample index, later samples (and every validation sample) are exactly the plain task's."""
+    kw = dict(num_pairs=8, num_queries=16, value_len=2, unique_values=True, queries="repeat", min_gap=16, seed=5)
+    plain, cur = RetrievalTask(TOK, 600, **kw), RetrievalTask(TOK, 600, **kw, curriculum_samples=100)
+    free = plain.pair_region - plain.num_pairs * plain.pair_len
+
+    def farthest_before(task, i):  # tokens after BOS before the earliest queried pair
+        _, _, lay = task.sample_with_layout(i)
+        return int(lay.pair_value_pos.min()) - task.key_len - 1
+
+    reach = [free - min(farthest_before(cur, i) for i in range(j, j + 5)) for j in (0, 20, 50, 95)]
+    assert reach[0] <= free * 5 // 100 + cur.pair_len * cur.num_pairs  # first samples: pairs near the gap
+    assert reach[0] < reach[1] < reach[2] < reach[3]
+    for i in (100, 150):  # the curriculum is over: the plain task, sample for sample
+        assert all(np.array_equal(a, b) for a, b in zip(plain.sample(i), cur.sample(i)))
+    val_plain = RetrievalTask(TOK, 600, **kw, stream=1)
+    val_cur = RetrievalTask(TOK, 600, **kw, stream=1, curriculum_samples=100)
+    assert np.array_equal(val_plain.sample(0)[0], val_cur.sample(0)[0])
+    tokens, mask = cur.sample(3)  # still a valid sample: every answer supervised
+    assert mask.sum() == kw["num_queries"] * kw["value_len"]
+
+
+def test_retrieval_curriculum_steps_reach_the_loader(text_dir):
+    """The config's steps become global sample indices: local batch x grad accumulation x ranks per step."""
+    from nsa_titan.config import load_job_config
+
+    cfg = load_job_config(["--data.dataset", "retrieval", "--data.retrieval_curriculum_steps", "3",
+                           "--data.retrieval_min_gap", "64"]).data
+    loader = build_dataloader(cfg, TOK, seq_len=400, local_batch_size=2, world_size=2, rank=1, grad_accum_steps=4)
+    assert loader.dataset.assembler.retrieval.curriculum_samples == 3 * 2 * 4 * 2
+    with pytest.raises(Exception, match="retrieval_curriculum_steps"):
+        load_job_config(["--data.retrieval_curriculum_steps", "-1"])

@@ -231,6 +231,10 @@ class Data:
     retrieval_filler: Literal["corpus", "letters"] = "corpus"
     """Retrieval task: distractor text between the pairs: 'corpus' (the text of data.path when set, else the
     embedded stdlib corpus; same split as the samples) or 'letters' (random letters and spaces)."""
+    retrieval_curriculum_steps: int = 0
+    """Retrieval task, training samples only: over the first N optimizer steps the pairs sit in the last part of
+    their region, next to the gap before the queries, a part that grows linearly to the whole region (long-range
+    recall learned from short range first; validation and evaluation always use the whole region). 0: off."""
     retrieval_mix: float = 0.0
     """Fraction of training sequences that are retrieval samples when the dataset is a text corpus
     (dataset 'retrieval' is all retrieval)."""
@@ -278,6 +282,8 @@ class Data:
                "retrieval_num_pairs or use --data.retrieval_queries repeat")
         _check(self.retrieval_min_gap is None or self.retrieval_min_gap >= 0, "data.retrieval_min_gap",
                f"must be >= 0 or None (the model's window), got {self.retrieval_min_gap}")
+        _check(self.retrieval_curriculum_steps >= 0, "data.retrieval_curriculum_steps",
+               f"must be >= 0 (0: off), got {self.retrieval_curriculum_steps}")
         _check(0 <= self.retrieval_mix <= 1, "data.retrieval_mix", f"must be in [0, 1], got {self.retrieval_mix}")
         _check(self.document_mask or not self.restart_positions, "data.restart_positions",
                "restarts positions at document starts, which needs --data.document_mask")

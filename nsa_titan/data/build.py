@@ -39,6 +39,7 @@ DATA_DEFAULTS = types.MappingProxyType({
     "retrieval_value_len": 1,
     "retrieval_min_gap": None,
     "retrieval_filler": "corpus",
+    "retrieval_curriculum_steps": 0,
     "retrieval_mix": 0.0,
     "on_error": "skip",
 })
@@ -51,7 +52,8 @@ def _cfg(data_cfg, name):
 def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int, rank: int = 0,
                      world_size: int = 1, seed: int = 42, split: str = "train",
                      vocab_size: int | None = None, pin_memory: bool | None = None, report=None,
-                     window: int | None = None, num_workers: int | None = None, log=None) -> StatefulLoader:
+                     window: int | None = None, num_workers: int | None = None, log=None,
+                     grad_accum_steps: int = 1) -> StatefulLoader:
     """Loader for this rank's shard of ``split`` ("train" or "val").
 
     Both splits are infinite: train reshuffles documents every epoch; val is read in a
@@ -62,7 +64,8 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     In-memory corpora (stdlib, text_files) are read and tokenized here, once, and kept by the loader;
     "hf" data are streamed: only this rank's shards are read, tokenized where the batches are built.
     ``num_workers``: None builds batches inline; an int uses torchdata's StatefulDataLoader with that many
-    worker processes when torchdata is installed (``log`` says when it is not).
+    worker processes when torchdata is installed (``log`` says when it is not). ``grad_accum_steps``: micro-batches
+    per optimizer step, which turns ``data.retrieval_curriculum_steps`` into global sample indices.
     """
     dataset = _cfg(data_cfg, "dataset")
     if dataset not in DATASETS:
@@ -118,9 +121,12 @@ def build_dataloader(data_cfg, tokenizer, *, seq_len: int, local_batch_size: int
     retrieval = None
     if dataset == "retrieval" or mix > 0.0:
         # Raises now, not mid-training, if the layout cannot fit seq_len.
+        # Global sample indices per optimizer step: every rank's micro-batches (loader.py: k * world_size + rank).
+        per_step = local_batch_size * int(grad_accum_steps) * world_size
         retrieval = RetrievalTask(tokenizer, seq_len, **retrieval_task_kwargs(data_cfg, window), seed=seed,
                                   stream=1 if split == "val" else 0, filler_tokens=filler,
-                                  filler_eos_id=None if corpus is None else corpus.eos_id)
+                                  filler_eos_id=None if corpus is None else corpus.eos_id,
+                                  curriculum_samples=int(_cfg(data_cfg, "retrieval_curriculum_steps")) * per_step)
     assembler = BatchAssembler(retrieval, seq_len=seq_len, batch_size=local_batch_size, retrieval_mix=mix, seed=seed,
                                rank=rank, world_size=world_size, split=split, has_text=dataset != "retrieval")
     if dataset == "hf":

@@ -60,7 +60,7 @@ class RetrievalTask:
     def __init__(self, tokenizer, seq_len: int, *, num_pairs: int = 16, num_queries: int = 16, key_len: int = 1,
                  value_len: int = 1, min_gap: int = 64, seed: int = 0, stream: int = 0,
                  filler_tokens: np.ndarray | None = None, filler_eos_id: int | None = None,
-                 queries: str = "distinct", unique_values: bool = False):
+                 queries: str = "distinct", unique_values: bool = False, curriculum_samples: int = 0):
         if min(num_pairs, num_queries, key_len, value_len) < 1 or min_gap < 0:
             raise ValueError(f"data.retrieval_num_pairs/num_queries/key_len/value_len must be >= 1 and "
                              f"data.retrieval_min_gap >= 0, got {num_pairs}/{num_queries}/{key_len}/{value_len} "
@@ -75,6 +75,11 @@ class RetrievalTask:
         self.num_pairs, self.num_queries = int(num_pairs), int(num_queries)
         self.key_len, self.value_len, self.min_gap = int(key_len), int(value_len), int(min_gap)
         self.queries, self.unique_values = queries, bool(unique_values)
+        if curriculum_samples < 0:
+            raise ValueError(f"data.retrieval_curriculum_steps must be >= 0, got {curriculum_samples} samples")
+        # Training stream only: sample i places its pairs in the last (i + 1) / curriculum_samples of the free
+        # filler before the gap (data.retrieval_curriculum_steps); from then on, the whole region.
+        self.curriculum_samples = int(curriculum_samples) if stream == 0 else 0
         # stream separates train (0) from val (1) and evaluation (2) samples drawn with the same seed.
         self.seed, self.stream = int(seed) & ((1 << 64) - 1), int(stream)
         self.key_alphabet = _single_token_ids(tokenizer, string.ascii_uppercase)
@@ -159,7 +164,10 @@ class RetrievalTask:
             asked = rng.integers(0, n, size=m)
         free = self.pair_region - n * self.pair_len  # filler tokens between the pairs
         filler = self._filler(rng, free + self.min_gap)
-        before = np.sort(rng.integers(0, free + 1, size=n))  # filler tokens before pair i
+        reach = free  # the pairs lie in the last `reach` filler tokens (curriculum: fewer early in training)
+        if self.curriculum_samples and index < self.curriculum_samples:
+            reach = (free * (int(index) + 1)) // self.curriculum_samples
+        before = free - reach + np.sort(rng.integers(0, reach + 1, size=n))  # filler tokens before pair i
         pair_start = 1 + before + np.arange(n) * self.pair_len
         pairs = np.concatenate([keys, values], axis=1)  # [N, key_len + value_len]
         tokens = np.empty(total, np.int64)
