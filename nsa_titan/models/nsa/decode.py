@@ -44,11 +44,16 @@ from nsa_titan.models.nsa.attention import NSAAttention
 from nsa_titan.models.nsa.common import NSAParams
 
 
+def nsa_branch_reads(t: int, p: NSAParams) -> dict[str, int]:
+    """C(t), S(t), W(t) of the module docstring, by branch: the K/V tokens one row and KV head attends to."""
+    return {"cmp": p.num_cmp_tokens(t + 1),
+            "slc": (min(p.slc_top_n, t // p.slc_block + 1) - 1) * p.slc_block + t % p.slc_block + 1,
+            "win": min(p.window, t + 1)}
+
+
 def nsa_tokens_read(t: int, p: NSAParams) -> int:
     """reads(t) of the module docstring: K/V tokens one row and KV head attends to at query position t."""
-    c = p.num_cmp_tokens(t + 1)
-    s = (min(p.slc_top_n, t // p.slc_block + 1) - 1) * p.slc_block + t % p.slc_block + 1
-    return c + s + min(p.window, t + 1)
+    return sum(nsa_branch_reads(t, p).values())
 
 
 class NSALayerCache:
@@ -122,8 +127,7 @@ class NSALayerCache:
         hkv, g = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
         compress_reads = self.append(raw, slc, win, t)
         if self.fused is not None:  # the same rules in one Triton kernel (kernels/decode.py)
-            self.last_reads = {"cmp": p.num_cmp_tokens(t + 1), "slc": nsa_tokens_read(t, p) - p.num_cmp_tokens(t + 1)
-                               - min(p.window, t + 1), "win": min(p.window, t + 1), "compress": compress_reads}
+            self.last_reads = {**nsa_branch_reads(t, p), "compress": compress_reads}
             return self.fused(q, self.k_cmp, self.v_cmp, self.k_slc, self.v_slc, self.k_win, self.v_win, gates,
                               self.psum, t, p)
         qg = q.view(b, hkv, g, attn.head_dim)  # query head h = kv * G + g reads KV head kv, as in training
