@@ -75,8 +75,9 @@ class NSALayerCache:
         self.rows = torch.arange(batch, device=device)[:, None, None]
         self.heads = torch.arange(hkv, device=device)[None, :, None]
         self.fused = fused_kernel(fused, device, attn)
-        # The fused kernel's scratch row of group-summed compressed probabilities (fp32, made once).
-        self.psum = torch.zeros(batch, hkv, max(1, tc), device=device, dtype=torch.float32) if self.fused else None
+        # The fused kernels' tile choices and scratch (made once: no per-step allocations but the output).
+        self.workspace = None if self.fused is None else self.fused.DecodeWorkspace(
+            batch, hkv, attn.n_heads // hkv, dv, capacity, p, device)
 
     @property
     def pos(self) -> int:
@@ -105,10 +106,18 @@ class NSALayerCache:
         self.v_slc[:, :, t] = slc[1][:, 0]
         self.k_win[:, :, t % p.window] = win[0][:, 0]
         self.v_win[:, :, t % p.window] = win[1][:, 0]
-        self.k_raw[:, :, t % p.cmp_block] = raw[0][:, 0]
-        self.v_raw[:, :, t % p.cmp_block] = raw[1][:, 0]
+        return self.compress_if_due(raw, t, store_raw=True)
+
+    def compress_if_due(self, raw, t: int, store_raw: bool) -> int:
+        """Store position t's compression-branch K/V in the ring (``store_raw``, or when a block completes at t:
+        the fused kernel stores it otherwise) and compress the block that t completes. Returns tokens re-read."""
+        p = self.p
         done = t + 1 - p.cmp_block
-        if done < 0 or done % p.cmp_stride:
+        due = done >= 0 and done % p.cmp_stride == 0
+        if store_raw or due:
+            self.k_raw[:, :, t % p.cmp_block] = raw[0][:, 0]
+            self.v_raw[:, :, t % p.cmp_block] = raw[1][:, 0]
+        if not due:
             return 0
         shift = -((t + 1) % p.cmp_block)  # slot (t + 1) mod l holds the block's oldest position, t + 1 - l
         for ring, phi, out in ((self.k_raw, self.attn.compress_k, self.k_cmp),
@@ -125,11 +134,12 @@ class NSALayerCache:
         p, attn, t = self.p, self.attn, self.pos
         b = q.shape[0]
         hkv, g = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
-        compress_reads = self.append(raw, slc, win, t)
-        if self.fused is not None:  # the same rules in one Triton kernel (kernels/decode.py)
+        if self.fused is not None:  # two Triton launches, which also store the K/V (kernels/decode.py)
+            compress_reads = self.compress_if_due(raw, t, store_raw=False)
             self.last_reads = {**nsa_branch_reads(t, p), "compress": compress_reads}
-            return self.fused(q, self.k_cmp, self.v_cmp, self.k_slc, self.v_slc, self.k_win, self.v_win, gates,
-                              self.psum, t, p)
+            caches = (self.k_cmp, self.v_cmp, self.k_slc, self.v_slc, self.k_win, self.v_win, self.k_raw, self.v_raw)
+            return self.fused.nsa_decode_attend(q, (raw, slc, win), caches, gates, self.workspace, t, p)
+        compress_reads = self.append(raw, slc, win, t)
         qg = q.view(b, hkv, g, attn.head_dim)  # query head h = kv * G + g reads KV head kv, as in training
 
         # Compressed branch over the visible compressed tokens, softmax in fp32 as in torch_impl.
@@ -173,7 +183,7 @@ class NSALayerCache:
 
 
 def fused_kernel(want: bool | None, device, attn: NSAAttention):
-    """The fused Triton decode attention (kernels/decode.py) or None for the torch path above, which is its spec.
+    """The fused Triton decode module (kernels/decode.py) or None for the torch path above, which is its spec.
     ``want`` None: the kernel on CUDA when triton imports and the head dims suit it; True: the kernel or a clear
     error (tests run it on CPU under TRITON_INTERPRET=1); False: the torch path."""
     if want is False or (want is None and torch.device(device).type != "cuda"):
@@ -189,7 +199,7 @@ def fused_kernel(want: bool | None, device, attn: NSAAttention):
             raise ValueError(f"fused NSA decoding needs head dims and slc_block that are powers of 2 >= 16 (got "
                              f"{attn.head_dim}, {attn.v_head_dim}, {attn.params.slc_block}); use fused=False")
         return None
-    return kernel.nsa_decode_attend
+    return kernel
 
 
 def block_importance(group_probs: torch.Tensor, num_blocks: int, p: NSAParams) -> torch.Tensor:
