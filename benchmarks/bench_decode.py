@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -217,6 +218,7 @@ def run(ns) -> dict:
                     notes.append(sync_check(positional_steps(make_step(model, cache, "model", batch, device),
                                                              cache, positions[-1:])[0]))
                 del cache
+                gc.collect()  # the cache's layers point back to it: a cycle that only the collector frees
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del model

@@ -69,13 +69,13 @@ class DecodeWorkspace:
         self.nselp = triton.next_power_of_2(max(1, p.slc_top_n))
         self.nbp = triton.next_power_of_2(max(1, _cdiv(capacity, p.slc_block)))
         self.pb = min(512, triton.next_power_of_2(tc))
+        self.finish_warps = 4
         f32 = dict(device=device, dtype=torch.float32)
         self.scores = torch.empty(rows, g, tc, **f32)
         self.part_m = torch.empty(rows, self.nsp, self.gp, **f32)
         self.part_l = torch.empty(rows, self.nsp, self.gp, **f32)
         self.part_acc = torch.empty(rows, self.nsp, self.gp, dv, **f32)
         self.psum = torch.empty(rows, tc, **f32)
-        self.sel = torch.empty(rows, self.nselp, device=device, dtype=torch.int32)
 
     def cmp_splits(self, nc: int) -> tuple[int, int]:
         """(programs, tiles per program) for nc visible compressed tokens."""
@@ -106,26 +106,23 @@ def _store_partial(PM, PL, PACC, slot, m, l, acc, GP: tl.constexpr, DV: tl.const
 
 
 @triton.jit
-def _merge(PM, PL, PACC, lo, hi, GP: tl.constexpr, DV: tl.constexpr, SPB: tl.constexpr):
+def _merge(PM, PL, PACC, lo, hi, GP: tl.constexpr, DV: tl.constexpr, NSPP: tl.constexpr, SPB: tl.constexpr):
     """Partials lo .. hi-1 of one (row, KV head) -> (normalised output [GP, DV], max, denominator); 0 if none."""
     g = tl.arange(0, GP)
-    s = tl.arange(0, SPB)
-    m_all = tl.full([GP], float("-inf"), tl.float32)
-    l_all = tl.zeros([GP], tl.float32)
-    for s0 in range(lo, hi, SPB):
-        sm = (s0 + s < hi)[:, None]
-        m = tl.load(PM + (s0 + s)[:, None] * GP + g[None, :], mask=sm, other=float("-inf"))
-        lp = tl.load(PL + (s0 + s)[:, None] * GP + g[None, :], mask=sm, other=0.0)
-        m_new = tl.maximum(m_all, tl.max(m, 0))
-        l_all = l_all * tl.exp(m_all - m_new) + tl.sum(lp * tl.exp(m - m_new[None, :]), 0)
-        m_all = m_new
+    s = tl.arange(0, NSPP)
+    sm = ((s >= lo) & (s < hi))[:, None]
+    m = tl.load(PM + s[:, None] * GP + g[None, :], mask=sm, other=float("-inf"))
+    lp = tl.load(PL + s[:, None] * GP + g[None, :], mask=sm, other=0.0)
+    m_all = tl.max(m, 0)
+    l_all = tl.sum(tl.where(sm, tl.exp(m - m_all[None, :]), 0.0) * lp, 0)
     out = tl.zeros([GP, DV], tl.float32)
-    for s1 in range(lo, hi, SPB):
-        sm1 = (s1 + s < hi)[:, None]
-        m1 = tl.load(PM + (s1 + s)[:, None] * GP + g[None, :], mask=sm1, other=float("-inf"))
-        w = tl.where(sm1, tl.exp(m1 - m_all[None, :]) / l_all[None, :], 0.0)
-        a = tl.load(PACC + ((s1 + s)[:, None, None] * GP + g[None, :, None]) * DV + tl.arange(0, DV)[None, None, :],
-                    mask=sm1[:, :, None], other=0.0)
+    c = tl.arange(0, SPB)
+    for s1 in range(lo, hi, SPB):  # the weights need every partial's max first; the outputs come in chunks
+        cm = (s1 + c < hi)[:, None]
+        m1 = tl.load(PM + (s1 + c)[:, None] * GP + g[None, :], mask=cm, other=float("-inf"))
+        w = tl.where(cm, tl.exp(m1 - m_all[None, :]) / l_all[None, :], 0.0)
+        a = tl.load(PACC + ((s1 + c)[:, None, None] * GP + g[None, :, None]) * DV + tl.arange(0, DV)[None, None, :],
+                    mask=cm[:, :, None], other=0.0)
         out += tl.sum(w[:, :, None] * a, 0)
     return out, m_all, l_all
 
@@ -187,11 +184,11 @@ def _split_kernel(Q, KC, VC, KW, VW, KS, VS, KR, VR, KNW, VNW, KNS, VNS, KNR, VN
 
 
 @triton.jit(do_not_specialize=["t", "nc", "cur", "k_sel", "ncs", "nws"])
-def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, SEL, t, nc, cur, k_sel, ncs, nws, scale,
+def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, t, nc, cur, k_sel, ncs, nws, scale,
                    s_ks0, s_ks1, s_vs0, s_vs1, s_sc, s_ps,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSP: tl.constexpr,
-                   LP: tl.constexpr, SB: tl.constexpr, NSELP: tl.constexpr, NBP: tl.constexpr, SUBS: tl.constexpr,
-                   TAPS: tl.constexpr, PB: tl.constexpr, SPB: tl.constexpr):
+                   NSPP: tl.constexpr, LP: tl.constexpr, SB: tl.constexpr, NSELP: tl.constexpr, NBP: tl.constexpr,
+                   SUBS: tl.constexpr, TAPS: tl.constexpr, PB: tl.constexpr, SPB: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -201,8 +198,8 @@ def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, SEL, t, nc, cu
     pm, pl, pacc = PM + pid * NSP * GP, PL + pid * NSP * GP, PACC + pid * NSP * GP * DV
 
     # 1. merge the splits (compressed: 0 when nc == 0, as in the torch path)
-    o_cmp, m_c, l_c = _merge(pm, pl, pacc, 0, ncs, GP, DV, SPB)
-    o_win, m_w, l_w = _merge(pm, pl, pacc, ncs, ncs + nws, GP, DV, SPB)
+    o_cmp, m_c, l_c = _merge(pm, pl, pacc, 0, ncs, GP, DV, NSPP, SPB)
+    o_win, m_w, l_w = _merge(pm, pl, pacc, ncs, ncs + nws, GP, DV, NSPP, SPB)
 
     # 2. group-summed probabilities, then the importance of blocks 0 .. cur-1: sub-block u sums p[u - r] (r < TAPS),
     # block j its SUBS sub-blocks
@@ -222,15 +219,14 @@ def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, SEL, t, nc, cu
     imp = tl.where(jj < cur, imp, float("-inf"))
     imp = tl.where(((jj == 0) | (jj == cur - 1)) & (jj < cur), float("inf"), imp)
 
-    # 3. selection: entries 0 .. k_sel-1 the top blocks, entry k_sel (and the padding) the current block
+    # 3. selection: entries 0 .. k_sel-1 the top blocks, entry k_sel (and the padding) the current block; the
+    # keys of SB entries per step come from the register vector by tl.gather (no dependent memory load)
     ii = tl.arange(0, NSELP)
     sel = tl.zeros([NSELP], tl.int32) + cur
     for i in range(k_sel):
         j = tl.argmax(imp, 0, tie_break_left=True)
         imp = tl.where(jj == j, float("-inf"), imp)
         sel = tl.where(ii == i, j, sel)
-    tl.store(SEL + pid * NSELP + ii, sel)
-    tl.debug_barrier()
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(KS.dtype.element_ty)
     kk = tl.arange(0, SB * LP)
     m_s = tl.full([GP], float("-inf"), tl.float32)
@@ -239,7 +235,7 @@ def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, SEL, t, nc, cu
     for e0 in range(0, k_sel + 1, SB):
         ent = e0 + kk // LP
         em = ent <= k_sel
-        blk = tl.load(SEL + pid * NSELP + ent, mask=em, other=0)
+        blk = tl.gather(sel, tl.minimum(ent, NSELP - 1), 0)
         keys = blk * LP + kk % LP
         km = em & (keys <= t)
         k = tl.load(KS + pid * s_ks0 + keys[:, None] * s_ks1 + d[None, :], mask=km[:, None], other=0.0)
@@ -286,9 +282,10 @@ def nsa_decode_attend(q, new, caches, gates, ws: DecodeWorkspace, t: int, p) -> 
         *[x for n in (k_w, v_w, k_s, v_s, k_r, v_r) for x in (n.stride(0), n.stride(2))], ws.scores.stride(1),
         HKV=hkv, G=g, GP=ws.gp, D=dk, DV=dv, BC=ws.bc, BW=ws.bw, NSP=ws.nsp, num_warps=4)
     _finish_kernel[(b * hkv,)](
-        q, k_slc, v_slc, gates, out, ws.scores, ws.part_m, ws.part_l, ws.part_acc, ws.psum, ws.sel,
+        q, k_slc, v_slc, gates, out, ws.scores, ws.part_m, ws.part_l, ws.part_acc, ws.psum,
         t, nc, cur, k_sel, ncs, nws, scale, k_slc.stride(1), k_slc.stride(2), v_slc.stride(1), v_slc.stride(2),
         ws.scores.stride(1), ws.psum.stride(0),
-        G=g, GP=ws.gp, D=dk, DV=dv, NSP=ws.nsp, LP=p.slc_block, SB=ws.sb, NSELP=ws.nselp, NBP=ws.nbp,
-        SUBS=p.slc_block // p.cmp_stride, TAPS=p.cmp_block // p.cmp_stride, PB=ws.pb, SPB=8, num_warps=4)
+        G=g, GP=ws.gp, D=dk, DV=dv, NSP=ws.nsp, NSPP=triton.next_power_of_2(ws.nsp), LP=p.slc_block, SB=ws.sb,
+        NSELP=ws.nselp, NBP=ws.nbp,
+        SUBS=p.slc_block // p.cmp_stride, TAPS=p.cmp_block // p.cmp_stride, PB=ws.pb, SPB=8, num_warps=ws.finish_warps)
     return out
