@@ -4,8 +4,8 @@
     python benchmarks/bench_decode.py --device cpu --flavor debug --contexts 256,512 --batches 1 \
         --iters 3 --dtype fp32 --tag decode_cpu_smoke      # CPU smoke run
 
-For each context T, batch B and variant (``nsa``: the flavor with attn_type nsa, its decode attention one fused
-Triton kernel per layer on CUDA; ``nsa_torch``: the same through the torch decode path; ``dense``: dense attention):
+For each context T, batch B and variant (``nsa``: the flavor with attn_type nsa, its decode attention two fused
+Triton launches per layer on CUDA; ``nsa_torch``: the same through the torch decode path; ``dense``: dense attention):
 - ``model``: one ``decode_step`` of the whole model (all layers, output head) with T tokens in the cache;
 - ``attention``: layer 0's attention alone (projections, cache append, attention, output projection).
 Each is timed eagerly and, on CUDA, replayed from CUDA graphs (launch overhead removed). The cache holds
@@ -43,7 +43,7 @@ from nsa_titan.models.nsa.decode import KVCache, decode_step, nsa_tokens_read  #
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-# variant -> KVCache(fused=...): NSA through the fused Triton kernel where it runs (CUDA), NSA through the torch
+# variant -> KVCache(fused=...): NSA through the fused Triton kernels where it runs (CUDA), NSA through the torch
 # decode path (the kernel's spec), dense SDPA.
 VARIANTS = {"nsa": None, "nsa_torch": False, "dense": None}
 
@@ -239,8 +239,8 @@ def markdown(res: dict) -> str:
     lines = [f"# Decode speed: NSA vs dense ({res['flavor']}, {res['dtype']})", "",
              f"{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['date']}. Median ms per decode "
              "step (one token per row); graph = CUDA-graph replay; KV MB = K/V bytes read per step; ops = aten "
-             "ops per step that compute or write (each at least one GPU kernel; NSA's fused attention is a Triton "
-             "launch, not an aten op: one more per layer). NSA torch = the torch decode path (`nsa_torch`), when "
+             "ops per step that compute or write (each at least one GPU kernel; NSA's fused attention is two Triton "
+             "launches, not aten ops: two more per layer). NSA torch = the torch decode path (`nsa_torch`), when "
              "measured.", ""]
     lines += [f"- {n}" for n in res["notes"]] + [""]
     lines += ["| mode | batch | context | dense eager ms | NSA eager ms | speedup | dense graph ms | NSA graph ms "

@@ -257,7 +257,7 @@ class KVCache:
     ``capacity``: the most tokens prompt + generation will hold (<= the model's RoPE table). ``dtype``:
     that of the K/V the projections produce (the parameters' dtype, or bf16 under bf16 autocast).
     ``last_reads``: per layer, the tokens the last decode step gathered per row and KV head, by branch.
-    ``fused``: NSA layers attend through one Triton kernel per layer and step (None: on CUDA when available;
+    ``fused``: NSA layers attend through two Triton launches per layer and step (None: on CUDA when available;
     True: required; False: the torch path, the kernel's spec).
     """
 
