@@ -44,7 +44,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class DecodeWorkspace:
-    """Tile choices and fp32/int32 scratch of one layer's fused decode, made once with the cache.
+    """Tile choices and fp32 scratch of one layer's fused decode, made once with the cache.
 
     Tiles: compressed tiles of BC tokens (at least 8 tiles over the capacity, at most 128 tokens), window tiles
     of BW slots (about 4 per window), selected steps of SB blocks (<= 128 keys, <= n / 2 blocks: with few
@@ -60,7 +60,7 @@ class DecodeWorkspace:
             max_programs = 4 * sms
         tc = max(1, p.num_cmp_tokens(capacity))
         rows = batch * hkv
-        self.g, self.gp = g, max(16, triton.next_power_of_2(g))
+        self.gp = max(16, triton.next_power_of_2(g))
         self.bc = min(128, max(16, triton.next_power_of_2(_cdiv(tc, 8))))
         self.bw = min(128, max(16, triton.next_power_of_2(_cdiv(p.window, 4))))
         self.sb = max(1, min(128 // p.slc_block, p.slc_top_n // 2))
@@ -200,7 +200,7 @@ def _finish_kernel(Q, KS, VS, GATES, OUT, SC, PM, PL, PACC, PSUM, t, nc, cur, k_
 
     # 1. merge the splits (compressed: 0 when nc == 0, as in the torch path)
     o_cmp, m_c, l_c = _merge(pm, pl, pacc, 0, ncs, GP, DV, NSPP, SPB)
-    o_win, m_w, l_w = _merge(pm, pl, pacc, ncs, ncs + nws, GP, DV, NSPP, SPB)
+    o_win, _, _ = _merge(pm, pl, pacc, ncs, ncs + nws, GP, DV, NSPP, SPB)
 
     # 2. group-summed probabilities, then the importance of blocks 0 .. cur-1: sub-block u sums p[u - r] (r < TAPS),
     # block j its SUBS sub-blocks
