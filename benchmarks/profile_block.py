@@ -119,14 +119,14 @@ def block_case(flavor: str, attn_type: str, T: int, B: int, compile_: bool) -> d
     return row
 
 
-def attention_case(name: str, T: int) -> dict:
+def attention_case(name: str, T: int, B: int = 1) -> dict:
     from attention_checks import make_inputs
 
     from nsa_titan.kernels import nsa_attention
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
-    ins = [x.requires_grad_(True) for x in make_inputs(1, T, HQ, HKV, DK, DV, PAPER_P)]
-    dout = torch.randn(1, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+    ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
+    dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
 
     def fwdbwd():
         for x in ins:
@@ -141,7 +141,7 @@ def attention_case(name: str, T: int) -> dict:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=True).backward(dout.transpose(1, 2))
 
-    row = dict(config=name, T=T, nsa_fwdbwd_ms=time_ms(fwdbwd), sdpa_fwdbwd_ms=time_ms(sdpa))
+    row = dict(config=name, T=T, B=B, nsa_fwdbwd_ms=time_ms(fwdbwd), sdpa_fwdbwd_ms=time_ms(sdpa))
     row["nsa_over_sdpa_time"] = row["nsa_fwdbwd_ms"] / row["sdpa_fwdbwd_ms"]
     row["profile"] = profile_kernels(fwdbwd)
     return row
@@ -163,7 +163,7 @@ def to_markdown(payload: dict) -> str:
         lines.append("")
     for r in payload.get("attention", []):
         p = r["profile"]
-        lines += [f"## attention {r['config']} T={r['T']}: NSA {r['nsa_fwdbwd_ms']:.2f} ms, SDPA "
+        lines += [f"## attention {r['config']} T={r['T']} B={r.get('B', 1)}: NSA {r['nsa_fwdbwd_ms']:.2f} ms, SDPA "
                   f"{r['sdpa_fwdbwd_ms']:.2f} ms fwd+bwd", "", "| kernel | ms | calls |", "|---|---|---|"]
         lines += [f"| `{k}` | {ms:.3f} | {n} |" for k, ms, n in p["top"][:20]]
         lines.append("")
@@ -175,7 +175,8 @@ def main():
     ap.add_argument("--flavors", default="")
     ap.add_argument("--batch", default="", help="local batch per flavor, comma-separated")
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--attention", default="", help="attention configs to split per kernel: " + ",".join(ATTN_CONFIGS))
+    ap.add_argument("--attention", default="", help="attention configs to split per kernel, each NAME or "
+                    "NAME:BATCH (batch 1 by default), of " + ",".join(ATTN_CONFIGS))
     ap.add_argument("--attention-seqs", default="8192")
     ap.add_argument("--eager", action="store_true", help="do not compile the blocks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -198,9 +199,10 @@ def main():
             print(json.dumps(r["profile"]["categories"]), flush=True)
             payload["blocks"].append(r)
             torch.cuda.empty_cache()
-    for name in [c for c in a.attention.split(",") if c]:
+    for spec in [c for c in a.attention.split(",") if c]:
+        name, _, batch = spec.partition(":")
         for T in (int(t) for t in a.attention_seqs.split(",")):
-            r = attention_case(name, T)
+            r = attention_case(name, T, int(batch or 1))
             print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
             payload["attention"].append(r)
             torch.cuda.empty_cache()

@@ -42,9 +42,17 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                 dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
                 dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
                 dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
-    "sel_dq": [_v(), _v(1, st=3), _v(2, w=8), _v(2, w=2)],
+    # dQ = dS K from the dS the dK/dV walk stores ('ds', the default when its buffer fits selected.DS_BUDGET),
+    # or recomputed per token; each timed as the whole selected backward
+    "sel_dq": [dict(_v(), algo="ds"), dict(_v(1, st=3), algo="ds"), dict(_v(2, w=8), algo="ds"),
+               dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute")],
+    # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 32)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
-                 dict(rows=32, num_warps=4, num_stages=2), dict(rows=64, num_warps=4, num_stages=3)],
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=16),
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=64),
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=256),
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=1 << 20)],  # one chunk per block
 }
 
 
@@ -84,6 +92,7 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "
               + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
+                          f"{r['cfg'].get('chunk_tiles', '-')}/"
                           f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
                           for r in res), flush=True)

@@ -177,6 +177,37 @@ def _blocks_fwd_check(device):
             "worst": worst}
 
 
+def _sel_bwd_paths_check(device):
+    """The selected branch's backward by each of its paths against one another, every case: dQ recomputed per
+    token vs dQ = dS K from the stored dS, and the dK/dV walk with one chunk per block vs blocks cut into
+    chunks of one query tile (partials added by the reduce kernel). The whole-attention cases above run the
+    default path only (on the interpreter: dS, two tiles per chunk)."""
+    import torch
+
+    from nsa_titan.kernels import band, select, selected
+    from nsa_titan.models.nsa.common import NSAParams
+
+    worst = {}
+    variants = [(dict(algo="recompute"), dict(chunk_tiles=1 << 20)), (dict(algo="ds"), dict(chunk_tiles=1)),
+                (dict(algo="ds"), dict(chunk_tiles=1 << 20))]
+    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
+        p, dtype = NSAParams(*geo), getattr(torch, dt)
+        doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
+        gen = torch.Generator().manual_seed(2)
+        q, ks, vs, do = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
+                         [(B, T, HQ, DK), (B, T, HKV, DK), (B, T, HKV, DV), (B, T, HQ, DV)])
+        kc = ks[:, : p.num_cmp_tokens(T)].contiguous()
+        if kc.shape[1] == 0:
+            continue
+        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
+        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, doc_start=doc)
+        o, lse = selected.sel_fwd(q, ks, vs, idx, p.slc_block, doc_start=doc)
+        outs = [selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=a, cfg_dkdv=b, doc_start=doc)
+                for a, b in variants]
+        worst[name] = max(_rel(x, y) for other in outs[1:] for x, y in zip(other, outs[0]))
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < 1e-5, "worst": worst}
+
+
 def _decode_fused_check(device):
     """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
     logits of a full forward (prompt lengths 0 and 37, G 2 and 6, shared K/V with mean compression). The model's
@@ -218,7 +249,8 @@ def main(device: str) -> None:
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
     for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
-                        ("sel_blocks", _blocks_fwd_check), ("decode_fused", _decode_fused_check)):
+                        ("sel_blocks", _blocks_fwd_check), ("sel_bwd_paths", _sel_bwd_paths_check),
+                        ("decode_fused", _decode_fused_check)):
         try:
             res = check(device)
         except Exception as e:  # noqa: BLE001 - as above
@@ -245,7 +277,7 @@ def verdicts():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES] + ["compile_fullgraph", "no_aux_grads",
-                                                                       "sel_blocks", "decode_fused"])
+                                                                       "sel_blocks", "sel_bwd_paths", "decode_fused"])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"

@@ -253,7 +253,7 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -267,7 +267,7 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
         return 1
     if device.type != "cuda":  # interpreter tests: still exercise the partial-sum path
         return 2 if T >= 32 else 1
-    want = max(min(8, triton.cdiv(T, 4096)), triton.cdiv(4 * _sm_count(device.index or 0), max(tiles, 1)))
+    want = max(min(8, triton.cdiv(T, 4096)), triton.cdiv(4 * sm_count(device.index or 0), max(tiles, 1)))
     return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 

@@ -5,12 +5,12 @@ one tile (padded to >= 16 for the MMA) and walks that token's n selected blocks;
 once for the whole group. Keys s > t are masked, which only bites in the token's own block.
 
 dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted by block
-(selected_blocks.pair_keys: one torch.sort, static shapes, no host sync), which gives for every block the
-ascending list of tokens that selected it and its segment offsets (searchsorted). One program per block then
-walks its list, so each dK/dV row is written by exactly one program in a fixed order: deterministic. Block 0 is
-forced for every token, so its list is all of 0..T-1 (with documents: the tokens whose document overlaps it);
-it is cut into P0 fixed segments whose fp32 partial sums are added afterwards, which keeps that one block from
-serialising T tokens in a single program.
+(selected_blocks.block_pairs: one torch.sort, static shapes, no host sync), which gives for every block the
+ascending list of tokens that selected it. Every list is cut into chunks of at most CH pairs and one program
+takes one chunk (a static-size chunk table; spare programs exit). A block with one chunk writes its dK/dV rows
+directly; the chunks of a longer list (block 0 is chosen by every token, early blocks by ~3x the average) write
+fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus a fixed sum: deterministic, and
+no single program serialises a popular block's list.
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, TUNED
+from nsa_titan.kernels.band import LOG2E, TUNED, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected_blocks import pair_keys, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import block_pairs, sel_fwd_blocks
 
 
 @triton.jit
@@ -120,23 +120,61 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DS,
+def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                   NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                   ACC: tl.constexpr):
+    """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
+    block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
+    ACC flag as _sel_bwd_dq."""
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
+    dk = tl.arange(0, DKP)
+    dq = tl.zeros([GR, DKP], tl.float32)
+    pair0 = ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, NSEL, NPI):
+        slot = n0 + c // BS
+        blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
+        s_pos = blk * LP + c % BS
+        # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
+        kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
+        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
+                     mask=row_ok[:, None] & kmask[None, :], other=0.0)
+        dq += tl.dot(ds, k)
+    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
+    dq = dq * sm_scale
+    if ACC:
+        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                  T, NB, G, HKV, P0, CH0, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                  T, NB, G, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
-    """Program pid < P0: segment pid of block 0 -> fp32 partial PK/PV[bh, pid]; else block pid - P0 + 1 -> DK_/DV_."""
+                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
+                  DOC: tl.constexpr):
+    """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
+    selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
+    fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
+    STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP]."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    is_b0 = pid < P0
-    blk = tl.where(is_b0, 0, pid - P0 + 1)
-    off_base = OFF + pid_bh.to(tl.int64) * (NB + 1)
-    two = tl.arange(0, 2)
-    seg = tl.load(off_base + blk + two)  # [start, end) of this block's token list
-    seg_end = tl.sum(tl.where(two == 1, seg, 0))
-    lo = tl.where(is_b0, pid * CH0, tl.sum(tl.where(two == 0, seg, 0)))
-    # Block 0's list is all T tokens, except with documents (only those whose document overlaps block 0).
-    hi = tl.where(is_b0, tl.minimum(pid * CH0 + CH0, seg_end), seg_end)
+    blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
+    live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs, no stores
+    blk = tl.minimum(blk, NB - 1)
+    tab = pid_bh.to(tl.int64) * (NB + 1) + blk
+    c0 = tl.load(COFF + tab)
+    nch = tl.load(COFF + tab + 1) - c0
+    lo = tl.load(OFF + tab) + (pid - c0) * CH
+    hi = tl.minimum(lo + CH, tl.load(OFF + tab + 1))
+    hi = lo + (hi - lo) * live  # integer scalars only (the interpreter mis-types bool scalars)
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
@@ -169,25 +207,63 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, DK_, DV_, PK, PV, DS,
         p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        acc_k += tl.dot(tl.trans(ds), q)
+        if STORE_DS:
+            slot = key - (key // NSEL) * NSEL
+            d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
+            tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
-    own = (sj[:, None] * 0 + pid) >= P0
-    smask = kmask[:, None] & own
+    alive = (sj * 0 + live) > 0
+    whole = alive & ((sj * 0 + nch) == 1)
+    smask = (kmask & whole)[:, None]
     out_row = ((b * T + s_pos[:, None]) * HKV + kv)
-    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty),
-             mask=smask & (dk[None, :] < DK))
-    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty),
-             mask=smask & (dv[None, :] < DV))
-    p_row = (pid_bh.to(tl.int64) * P0 + pid) * BS + sj[:, None]
-    tl.store(PK + p_row * DK + dk[None, :], acc_k, mask=(dk[None, :] < DK) & ~own)
-    tl.store(PV + p_row * DV + dv[None, :], acc_v, mask=(dv[None, :] < DV) & ~own)
+    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty), mask=smask & (dk[None, :] < DK))
+    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty), mask=smask & (dv[None, :] < DV))
+    pmask = (alive & ~whole)[:, None]
+    p_row = (pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab) + pid - c0) * BS + sj[:, None]
+    tl.store(PK + p_row * DKP + dk[None, :], acc_k, mask=pmask & (dk[None, :] < DK))
+    tl.store(PV + p_row * DVP + dv[None, :], acc_v, mask=pmask & (dv[None, :] < DV))
+
+
+@triton.jit
+def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.constexpr, BS: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """dK/dV of every block not written by _sel_bwd_dkdv: the sum of its chunks' partials in chunk order
+    (deterministic), or zeros for a block that no token selected."""
+    blk, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    tab = pid_bh.to(tl.int64) * (NB + 1) + blk
+    c0 = tl.load(COFF + tab)
+    nch = tl.load(COFF + tab + 1) - c0
+    p0 = pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab)
+    dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
+    acc_k = tl.zeros([BS, DKP], tl.float32)
+    acc_v = tl.zeros([BS, DVP], tl.float32)
+    n_add = nch * (nch > 1).to(tl.int32)
+    for c in range(0, n_add):
+        p_row = (p0 + c) * BS + sj[:, None]
+        acc_k += tl.load(PK + p_row * DKP + dk[None, :])
+        acc_v += tl.load(PV + p_row * DVP + dv[None, :])
+    s_pos = blk * LP + sj
+    smask = ((sj < LP) & (s_pos < T) & ((sj * 0 + nch) != 1))[:, None]
+    out_row = ((b * T + s_pos[:, None]) * HKV + kv)
+    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty), mask=smask & (dk[None, :] < DK))
+    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty), mask=smask & (dv[None, :] < DV))
+
+
+# dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
+# head and token: 8x dQ's size at l' = 64, n = 16, head dim 128). Above this size dQ recomputes instead, which
+# keeps the long-sequence rows' peak memory where it was (1b at 64k: 2 GiB; paper config at 64k: 8 GiB).
+DS_BUDGET = 1 << 30
 
 
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
-    for the forward the algorithm: 'token' (one program per token, this file) or 'blocks' (selected_blocks.py).
+    the algorithm: for the forward 'token' (one program per token, this file) or 'blocks' (selected_blocks.py);
+    for dQ 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer fits DS_BUDGET) or 'recompute' (dQ
+    recomputes QK^T and dO V^T per token).
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory
@@ -206,6 +282,8 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
             # (sweep_selected_blocks_*): m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k
             # 2.14 -> 1.88, 32k 8.74 -> 7.22; it loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1.
             c.update(algo="blocks", rows=128)
+    if kernel == "sel_dq" and q.shape[0] * q.shape[1] * q.shape[2] * n * lp * q.element_size() <= DS_BUDGET:
+        c.update(algo="ds")
     c.update(TUNED.get((kernel, pow2(G), dmax, False), {}))
     c.update(cfg or {})
     return c
@@ -248,32 +326,56 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    lc = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
+    lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
-    _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
-                              DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
-                              ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lc["num_warps"],
-                              num_stages=lc["num_stages"])
-    # Inverse index: the (block, token, slot) triples sorted by block, each block's range in them.
+    from_ds = lq.get("algo") == "ds"
+    if not from_ds:
+        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
+                                  DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
+                                  ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lq["num_warps"],
+                                  num_stages=lq["num_stages"])
+    # dK/dV block-centric: the (block, token, slot) triples sorted by block, every block's list cut into chunks
+    # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
+    # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).
     nb = -(-T // slc_block)
-    keys, off = pair_keys(block_idx, nb)
-    off = off.to(torch.int32)
-    ch0 = 1024
-    p0 = triton.cdiv(T, ch0)
-    bs = c["BS"]
-    # Every block >= 1 has its program (writing zeros when nobody chose it); block 0 comes from the partials.
-    dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
-    dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
-    pk = torch.empty(B * HKV, p0, bs, DK, device=q.device, dtype=torch.float32)
-    pv = torch.empty(B * HKV, p0, bs, DV, device=q.device, dtype=torch.float32)
     gp = pow2(G)
     lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
     bt = max(1, lc["rows"] // gp)
-    _sel_bwd_dkdv[(p0 + nb - 1, B * HKV)](
-        q, k, v, do, lse, delta, keys, off, dk, dv, pk, pv, ds, *strides, T, nb, G, HKV, p0, ch0,
-        DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, DOC=doc_start is not None, num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
-    l0 = min(slc_block, T)
-    dk[:, :l0] = pk.sum(1)[:, :l0].view(B, HKV, l0, DK).transpose(1, 2).to(dk.dtype)
-    dv[:, :l0] = pv.sum(1)[:, :l0].view(B, HKV, l0, DV).transpose(1, 2).to(dv.dtype)
+    ch = bt * _chunk_tiles(B * HKV * T * n, bt, q.device, lc)
+    keys, off, coff, prog = block_pairs(block_idx, nb, ch)
+    chunks = coff[:, 1:] - coff[:, :-1]
+    # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
+    # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice.
+    poff = torch.nn.functional.pad(torch.cumsum(torch.where(chunks > 1, chunks, 0), -1), (1, 0)).to(torch.int32)
+    nps = 2 * -(-T * n // ch)
+    bs, dkp, dvp = c["BS"], c["DKP"], c["DVP"]
+    dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
+    dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
+    pk = torch.empty(B * HKV, nps, bs, dkp, device=q.device, dtype=torch.float32)
+    pv = torch.empty(B * HKV, nps, bs, dvp, device=q.device, dtype=torch.float32)
+    dsb = q.new_empty(B, HKV, T, n, G, slc_block) if from_ds else pk  # pk: never written without STORE_DS
+    _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
+        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, ds, *strides, T, nb, G, HKV,
+        prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, STORE_DS=from_ds,
+        DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+    _sel_bwd_reduce[(nb, B * HKV)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, DK=DK, DV=DV,
+                                    DKP=dkp, DVP=dvp, num_warps=4)
+    if from_ds:
+        _sel_bwd_dq_ds[(T, B * HKV)](k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5, LP=slc_block,
+                                     BS=bs, NSEL=n, NPI=lq["NPI"], GR=max(16, pow2(G)), DK=DK, DKP=dkp,
+                                     ACC=dq_acc is not None, num_warps=lq["num_warps"], num_stages=lq["num_stages"])
     return dq, dk, dv
+
+
+def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:
+    """Query tiles per dK/dV chunk: about 4 chunks per SM over all (batch, KV head) pair lists, at least 64 tiles
+    (each chunk reloads its K/V block and writes a partial). H100, whole selected backward at 8k, batch 1
+    (sweep_selected_*): 1b 1.75 / 1.26 / 1.22 / 1.75 ms at 16 / 32 / 64 / 256 tiles, 5.33 with one chunk per
+    block; qwen7b 2.87 / 2.76 / 2.73 / 3.46. The interpreter takes 2, so that its small cases cut blocks into
+    several chunks."""
+    if "chunk_tiles" in lc:
+        return lc["chunk_tiles"]
+    if device.type != "cuda":
+        return 2
+    want = pairs // (bt * 4 * sm_count(device.index or 0))
+    return max(64, 1 << max(0, want.bit_length() - 1))
