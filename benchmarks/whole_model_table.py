@@ -45,20 +45,21 @@ def ratio_rows(result: dict) -> list[dict]:
 def markdown(rows: list[dict], meta: dict) -> str:
     f = lambda v, s: "-" if v is None else format(v, s)  # noqa: E731
     lines = [f"# Whole model, NSA vs dense: {meta['device']}", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date'][:10]}; `bench_train.py`, one GPU, "
+             f"torch {meta['torch']}, triton {meta['triton']}; `bench_train.py`, one GPU, "
              "fp32 weights + bf16 autocast, tokens/s of the last 5-step log window; NSA and dense of a row come "
              "from the same command (its tag, last column, names the results file `train_<tag>.json`; a tag with "
-             "`acfull` ran both with full activation checkpointing).", "",
+             "`acfull` ran both with full activation checkpointing; rows measured before the code's last kernel "
+             "change keep their date, column `date`).", "",
              "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB "
-             "| dense GiB | run tag |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| dense GiB | run tag | date |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["flavor"], r["seq_len"], r["local_batch"], r["variant"])):
         tgt = "-" if r["target"] is None else (f">= {r['target']:.1f} "
                                                + ("met" if (r["ratio"] or 0) >= r["target"] else "missed"))
         lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
                      f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
                      f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
-                     f"{f(r['dense_peak_gib'], '.1f')} | {r.get('source_tag') or '-'} |")
+                     f"{f(r['dense_peak_gib'], '.1f')} | {r.get('source_tag') or '-'} | {(r.get('date') or '-')[:10]} |")
     return "\n".join(lines) + "\n"
 
 
