@@ -75,6 +75,15 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
 
 
 @triton.jit
+def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.constexpr):
+    """One token's dQ rows (fp32, scaled) into DQ [B, T, HQ, Dk]; ACC: added to what another branch stored."""
+    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
+    if ACC:
+        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
 def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                 T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
                 NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
@@ -112,11 +121,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
-    dq = dq * sm_scale
-    if ACC:
-        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
 
 
 @triton.jit
@@ -146,11 +151,7 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
         ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
                      mask=row_ok[:, None] & kmask[None, :], other=0.0)
         dq += tl.dot(ds, k)
-    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
-    dq = dq * sm_scale
-    if ACC:
-        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
 
 
 @triton.jit
