@@ -46,7 +46,7 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
     # or recomputed per token; each timed as the whole selected backward
     "sel_dq": [dict(_v(), algo="ds"), dict(_v(1, st=3), algo="ds"), dict(_v(2, w=8), algo="ds"),
                dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute")],
-    # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 32)
+    # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=16),
