@@ -14,6 +14,12 @@ exactly 0 in the backward and in the block selection, without special cases.
 dK/dV are computed per key tile (no atomics: deterministic); long query ranges are split into NSPLIT
 contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
 
+Mask-free interior tiles (SPLIT, on by default): every loop runs in three parts, masked / unmasked / masked.
+The middle part holds the whole tiles that every row of the program sees (keys at or before its first token
+and, with a window, after its last token's window start), so it skips the [rows x keys] visibility mask;
+only the causal diagonal and the window's far edge pay for it. Rows that are padding (heads >= G) read q = dO =
+0 and LSE = +inf, so their probabilities are exactly 0 without the mask as well.
+
 Document masking (DOC, with DS = doc_start [B, T] int32): key i is also hidden from query t when its span
 starts before t's document, i * KSTRIDE < DS[t]; the forward and dQ start their key loop at the tile's
 earliest document start.
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.combine import pow2, rowdot
+from nsa_titan.kernels.tuned import TUNED
 
 LOG2E = 1.4426950408889634
 
@@ -80,11 +87,116 @@ def _key_range(t_lo, t_hi, S, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl
 
 
 @triton.jit
+def _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr,
+                   BK: tl.constexpr, SPLIT: tl.constexpr):
+    """[m1, m2): the whole BK-tiles of a key loop from i_start that every query in [t_lo, t_hi] sees."""
+    m1 = i_end
+    m2 = i_end
+    if SPLIT:
+        c1 = tl.minimum(tl.where(t_lo >= KOFF, (t_lo - KOFF) // KSTRIDE + 1, 0), i_end)  # keys < c1: pos <= t_lo
+        a = i_start
+        if WIN > 0:
+            x = t_hi - WIN + 1 - KOFF  # keys >= a: inside the window of the last query
+            a = tl.where(x > 0, (x + KSTRIDE - 1) // KSTRIDE, 0)
+        m1 = tl.minimum(i_start + tl.cdiv(tl.maximum(a - i_start, 0), BK) * BK, i_end)
+        m2 = m1 + (tl.maximum(c1 - m1, 0) // BK) * BK
+    return m1, m2
+
+
+@triton.jit
+def _unmasked_queries(lo, hi, key_lo, key_last, T, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr,
+                      BT: tl.constexpr, SPLIT: tl.constexpr):
+    """[m1, m2): the whole BT-tiles of a query loop from lo (< hi) that see every key of [key_lo, key_last]."""
+    m1 = hi
+    m2 = hi
+    if SPLIT:
+        fa = key_last * KSTRIDE + KOFF  # queries >= fa see the tile's last key
+        fb = T
+        if WIN > 0:
+            fb = key_lo * KSTRIDE + KOFF + WIN  # queries < fb still see its first key
+        m1 = tl.minimum(lo + tl.cdiv(tl.maximum(fa - lo, 0), BT) * BT, hi)
+        m2 = m1 + (tl.maximum(tl.minimum(fb, hi) - m1, 0) // BT) * BT
+    return m1, m2
+
+
+@triton.jit
+def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE: tl.constexpr,
+              KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+    """One key tile of the online softmax; kb/vb point at (batch, KV head)."""
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    i = i0 + tl.arange(0, BK)
+    kmask = i < i_end
+    k = tl.load(kb + i[:, None] * sks + dk[None, :], mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(vb + i[:, None] * svs + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))
+    if DOC:
+        s = tl.where((i * KSTRIDE)[None, :] >= ds[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE: tl.constexpr,
+             KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+             DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    i = i0 + tl.arange(0, BK)
+    kmask = i < i_end
+    k = tl.load(kb + i[:, None] * sks + dk[None, :], mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(vb + i[:, None] * svs + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
+    if MASK:
+        s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))  # before exp2: no overflow
+    if DOC:
+        s = tl.where((i * KSTRIDE)[None, :] >= ds[:, None], s, float("-inf"))
+    p = tl.exp2(s)
+    dp = tl.dot(do, tl.trans(v))
+    dsc = p * (dp - delta[:, None])
+    return dq + tl.dot(dsc.to(k.dtype), k)
+
+
+@triton.jit
+def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos, kmask,
+               acc_k, acc_v, qk_scale, KSTRIDE: tl.constexpr, WIN: tl.constexpr, GP: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr,
+               MASK: tl.constexpr):
+    """One query tile's contribution to a key tile's dK/dV."""
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    t = t0 + r // GP
+    row_ok = (t < hi) & (g < G)
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
+    do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
+    if MASK:
+        s = tl.where(_visible(t, pos, kmask, WIN) & row_ok[:, None], s, float("-inf"))  # before exp2
+    if DOC:
+        dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
+        s = tl.where((i * KSTRIDE)[None, :] >= dst[:, None], s, float("-inf"))
+    p = tl.exp2(s)
+    acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
+    dsc = p * (dp - delta[:, None])
+    acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
+    return acc_k, acc_v
+
+
+@triton.jit
 def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
               T, S, G, HKV, qk_scale,
               KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
               GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
+              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
@@ -92,30 +204,24 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     t_lo = pid_m * BT
-    i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    t_hi = tl.minimum(t_lo + BT, T) - 1
+    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
+    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
     m_i = tl.full([BT * GP], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, DVP], tl.float32)
-    for i0 in range(i_start, i_end, BK):
-        i = i0 + tl.arange(0, BK)
-        kmask = i < i_end
-        k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        vis = _visible(t, i * KSTRIDE + KOFF, kmask, WIN)
-        if DOC:
-            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
+    for i0 in range(i_start, m1, BK):
+        m_i, l_i, acc = _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE, KOFF,
+                                  WIN, BK, DK, DV, DKP, DVP, DOC, True)
+    for i0 in range(m1, m2, BK):
+        m_i, l_i, acc = _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE, KOFF,
+                                  WIN, BK, DK, DV, DKP, DVP, DOC, False)
+    for i0 in range(m2, i_end, BK):
+        m_i, l_i, acc = _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE, KOFF,
+                                  WIN, BK, DK, DV, DKP, DVP, DOC, True)
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
     tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
@@ -129,7 +235,8 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
                  T, S, G, HKV, qk_scale, sm_scale,
                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
                  GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
+                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
+                 SPLIT: tl.constexpr):
     """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
     branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -143,25 +250,22 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     t_lo = pid_m * BT
-    i_start, i_end = _key_range(t_lo, tl.minimum(t_lo + BT, T) - 1, S, KSTRIDE, KOFF, WIN)
+    t_hi = tl.minimum(t_lo + BT, T) - 1
+    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
+    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
+    kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
     dq = tl.zeros([BT * GP, DKP], tl.float32)
-    for i0 in range(i_start, i_end, BK):
-        i = i0 + tl.arange(0, BK)
-        kmask = i < i_end
-        k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        vis = _visible(t, i * KSTRIDE + KOFF, kmask, WIN)
-        if DOC:
-            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
-        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
-        dp = tl.dot(do, tl.trans(v))
-        dsc = p * (dp - delta[:, None])
-        dq += tl.dot(dsc.to(k.dtype), k)
+    for i0 in range(i_start, m1, BK):
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, True)
+    for i0 in range(m1, m2, BK):
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, False)
+    for i0 in range(m2, i_end, BK):
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, True)
     dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
     dq = dq * sm_scale
     if ACC:
@@ -174,7 +278,7 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                    T, S, G, HKV, B, qk_scale, sm_scale, NSPLIT,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
                    GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
+                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
     """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -198,38 +302,20 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     h = kv * G + g
     acc_k = tl.zeros([BK, DKP], tl.float32)
     acc_v = tl.zeros([BK, DVP], tl.float32)
-    for t0 in range(lo, hi, BT):
-        t = t0 + r // GP
-        row_ok = (t < hi) & (g < G)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
-                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
-        do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        vis = _visible(t, pos, kmask, WIN) & row_ok[:, None]
-        if DOC:
-            ds = tl.load(DS + b * T + t, mask=row_ok, other=0)
-            vis = vis & ((i * KSTRIDE)[None, :] >= ds[:, None])
-        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
-        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
-        dsc = p * (dp - delta[:, None])
-        acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
+    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, T, KSTRIDE, KOFF, WIN, BT,
+                               SPLIT)
+    for t0 in range(lo, m1, BT):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, True)
+    for t0 in range(m1, m2, BT):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, False)
+    for t0 in range(m2, hi, BT):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, True)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
-
-
-# Launch shapes measured best by benchmarks/bench_attention.py --sweep, keyed by
-# (kernel, next_pow2(G), max head dim, windowed); anything absent falls back to the heuristic below.
-# Values: rows (query rows per tile = tokens * next_pow2(G)), BK (keys per tile), num_warps, num_stages.
-TUNED: dict[tuple, dict] = {
-    # H200, paper config at T=65536: 12.05 -> 11.92 ms (compressed), 3.73 -> 3.27 ms (window).
-    ("band_fwd", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
-    ("band_fwd", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
-}
 
 
 def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> dict:
@@ -246,10 +332,12 @@ def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> d
 
 
 def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg: dict | None):
-    """-> (GP, BT, BK, triton launch kwargs). An explicit cfg (a sweep) overrides everything."""
+    """-> (GP, BT, BK, triton launch kwargs). An explicit cfg (a sweep) overrides everything; its ``split``
+    (default True) turns the mask-free interior tiles on or off (off: every tile masked, for A/B runs)."""
     gp = pow2(G)
     c = dict(launch_cfg(kernel, gp, dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
-    return gp, max(1, c["rows"] // gp), c["BK"], dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+    kw = dict(num_warps=c["num_warps"], num_stages=c["num_stages"], SPLIT=bool(c.get("split", True)))
+    return gp, max(1, c["rows"] // gp), c["BK"], kw
 
 
 @functools.cache

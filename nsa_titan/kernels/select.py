@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, TUNED
+from nsa_titan.kernels.band import LOG2E
 from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.tuned import TUNED
 
 
 @triton.jit

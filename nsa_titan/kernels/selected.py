@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, TUNED, sm_count
+from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected_blocks import block_pairs, sel_fwd_blocks
+from nsa_titan.kernels.tuned import TUNED
 
 
 @triton.jit

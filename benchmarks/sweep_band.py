@@ -1,0 +1,118 @@
+"""Launch-shape sweep and mask A/B of the band kernels (compressed and window branches), per config and length.
+
+    python benchmarks/sweep_band.py --configs 1b,m7c --ts 8192,32768 [--batch 2] [--tag _x] [--out DIR]
+
+For each (config, T) and each geometry (compressed: stride d, offset l - 1; window: w), every variant of
+``VARIANTS`` is timed (median of triton.testing.do_bench): the forward alone, and the whole band backward with
+the variant applied to its dQ or to its dK/dV kernel (the other kernel at its default, so differences between
+rows of one kernel are that kernel's). A variant is a partial launch config over the default of
+band.launch_cfg: ``{}`` is the default itself, ``{"split": False}`` the default with every tile masked (the
+A/B of the mask-free interior tiles). Outputs are checked against the default's (bf16 rounding only).
+Writes sweep_band<tag>_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention_checks import make_inputs, rel  # noqa: E402
+from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
+
+from nsa_titan.components.runtime import device_name  # noqa: E402
+from nsa_titan.kernels import band  # noqa: E402
+
+
+def _v(rows, BK, w, st):
+    return dict(rows=rows, BK=BK, num_warps=w, num_stages=st)
+
+
+VARIANTS = {  # first two: the default, and the default without the mask-free interior
+    "band_fwd": [{}, {"split": False}, _v(64, 64, 4, 3), _v(128, 64, 8, 3), _v(128, 64, 8, 2), _v(64, 128, 4, 2),
+                 _v(128, 128, 8, 2), _v(64, 64, 4, 4), _v(128, 64, 4, 3)],
+    "band_dq": [{}, {"split": False}, _v(128, 64, 8, 3), _v(64, 64, 4, 3), _v(128, 64, 8, 2), _v(128, 32, 8, 3),
+                _v(64, 128, 4, 2), _v(128, 128, 8, 2), _v(64, 64, 4, 4)],
+    "band_dkdv": [{}, {"split": False}, _v(64, 64, 4, 2), _v(32, 128, 4, 2), _v(64, 128, 8, 2), _v(128, 64, 8, 2),
+                  _v(64, 64, 8, 2), _v(64, 32, 4, 3), _v(128, 128, 8, 1), _v(64, 64, 4, 3)],
+}
+
+
+def _label(c: dict) -> str:
+    if not c:
+        return "default"
+    if set(c) == {"split"}:
+        return "default/masked"
+    return f"{c['rows']}/{c['BK']}/{c['num_warps']}/{c['num_stages']}"
+
+
+def case(name: str, T: int, B: int) -> dict:
+    from triton.testing import do_bench
+
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    p = PAPER_P
+    q, kc, vc, _, _, kw, vw, _ = make_inputs(B, T, HQ, HKV, DK, DV, p)
+    do = torch.randn(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    out = dict(config=name, T=T, B=B, G=HQ // HKV, D=max(DK, DV))
+    for geo_name, (k, v, geo) in {"cmp": (kc, vc, (p.cmp_stride, p.cmp_block - 1, 0)),
+                                  "win": (kw, vw, (1, 0, p.window))}.items():
+        o, lse = band.band_fwd(q, k, v, *geo)
+        jobs = {
+            "band_fwd": lambda c, k=k, v=v, geo=geo: band.band_fwd(q, k, v, *geo, cfg=c)[:1],
+            "band_dq": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band.band_bwd(do, q, k, v, o, lse, *geo,
+                                                                                cfg_dq=c)[:1],
+            "band_dkdv": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band.band_bwd(do, q, k, v, o, lse, *geo,
+                                                                                  cfg_dkdv=c)[1:],
+        }
+        for kname, fn in jobs.items():
+            ref = fn({})
+            res = []
+            for c in VARIANTS[kname]:
+                try:
+                    got = fn(c)
+                    same = all(rel(a, b) < 1e-2 for a, b in zip(got, ref))
+                    ms = do_bench(lambda: fn(c), warmup=10, rep=50, return_mode="median")  # noqa: B023
+                    res.append(dict(cfg=c, label=_label(c), ms=round(ms, 4), same=same))
+                except Exception as e:  # a shape that does not fit shared memory: record and go on
+                    res.append(dict(cfg=c, label=_label(c), error=f"{type(e).__name__}: {str(e)[:120]}"))
+            out[f"{geo_name}:{kname}"] = res
+            ok = [r for r in res if "ms" in r and r["same"]]
+            best = min(ok, key=lambda r: r["ms"]) if ok else None
+            print(f"{name} T={T} B={B} {geo_name} {kname}: "
+                  + ", ".join(f"{r['label']}={r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}" for r in res)
+                  + f"  -> best {best and best['label']} {best and best['ms']}", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="1b,m7c,paper,qwen7b")
+    ap.add_argument("--ts", default="8192,32768")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tag", default="", help="file name suffix")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args()
+    import triton
+
+    payload = dict(device=device_name(torch.device("cuda")), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   batch=a.batch, cases=[])
+    for name in a.configs.split(","):
+        for T in (int(t) for t in a.ts.split(",")):
+            payload["cases"].append(case(name, T, a.batch))
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"sweep_band{a.tag}_" + payload["device"].replace(" ", "_") + ".json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

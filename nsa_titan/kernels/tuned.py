@@ -1,0 +1,37 @@
+"""Measured launch shapes of the Triton kernels, one table for band.py, select.py and selected.py.
+
+Keyed by (kernel, next_pow2(G), max head dim, windowed); a kernel's heuristic default applies to any key that
+is absent, and an explicit cfg (a sweep) overrides both. ``benchmarks/bench_attention.py --sweep`` installs
+its winners here for the rest of its process.
+"""
+
+from __future__ import annotations
+
+# Values: rows (query rows per tile = tokens * next_pow2(G)), BK (keys per tile), num_warps, num_stages.
+# ``split`` False: every tile masked (the mask-free interior lost there). H100 figures below are the whole band
+# backward, 8k / 32k, batch 1, before -> after (benchmarks/results/sweep_band_*.json).
+TUNED: dict[tuple, dict] = {
+    # H200, paper config at T=65536: 12.05 -> 11.92 ms (compressed), 3.73 -> 3.27 ms (window).
+    ("band_fwd", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_fwd", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    # Compressed dK/dV at head dim 128: the interior split is slower here (1b 0.38 -> 0.32 / 3.32 -> 2.77 ms
+    # without it; qwen7b 0.59 -> 0.52 / 5.85 -> 5.18). Window dK/dV: 128 rows / 8 warps fit with 2 stages
+    # (1b 0.53 -> 0.44 / 1.68 -> 1.64; qwen7b 0.90 -> 0.82 / 3.62 -> 3.18).
+    ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
+    ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
+    ("band_dkdv", 16, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
+    ("band_dkdv", 8, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
+    # m7c (G 6, head dim 64): 64 rows / 4 warps but for the window forward; from the 32k runs (at 8k the band
+    # backward takes ~0.2-0.3 ms and varied up to 1.7x between identical launches: host-bound). Compressed
+    # forward 0.51 -> 0.42 ms; band backward with this dQ: compressed 1.66 -> 1.53, window 0.97 -> 0.89; with
+    # this dK/dV: compressed 1.67 -> 1.48, window 0.97 -> 0.82.
+    ("band_fwd", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_dq", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_dq", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_dkdv", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    # Selected dK/dV (selected.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
+    # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
+    ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
+    ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
+}
