@@ -17,6 +17,18 @@ from nsa_titan.models.nsa.torch_impl import overlap_weights
 DEV = "cuda"
 
 
+def run_header(**extra) -> dict:
+    """The fields every results JSON of these benchmarks starts with: device, versions, UTC date."""
+    import datetime
+
+    import triton
+
+    from nsa_titan.components.runtime import device_name
+
+    return dict(device=device_name(torch.device(DEV)), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra)
+
+
 def make_inputs(B, T, HQ, HKV, DK, DV, p, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     tc = p.num_cmp_tokens(T)

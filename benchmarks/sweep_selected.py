@@ -12,7 +12,6 @@ sweep_selected_<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -22,11 +21,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, rel  # noqa: E402
+from attention_checks import make_inputs, rel, run_header  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
-from nsa_titan.components.runtime import device_name  # noqa: E402
 from nsa_titan.kernels import band, select, selected  # noqa: E402
 
 
@@ -109,10 +107,7 @@ def main():
     ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
-    import triton
-
-    payload = dict(device=device_name(torch.device("cuda")), torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), cases=[])
+    payload = run_header(cases=[])
     for name in a.configs.split(","):
         for T in (int(t) for t in a.ts.split(",")):
             payload["cases"].append(case(name, T, a.batch, a.kernels.split(",")))

@@ -120,10 +120,10 @@ def _unmasked_queries(lo, hi, key_lo, key_last, T, KSTRIDE: tl.constexpr, KOFF: 
 
 
 @triton.jit
-def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE: tl.constexpr,
-              KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
-    """One key tile of the online softmax; kb/vb point at (batch, KV head)."""
+def _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, qk_scale, KSTRIDE: tl.constexpr, KOFF: tl.constexpr,
+            WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+            DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+    """One key tile: (k, v, scores in log2 units, -inf where hidden); kb/vb point at (batch, KV head)."""
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     i = i0 + tl.arange(0, BK)
     kmask = i < i_end
@@ -134,6 +134,16 @@ def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KS
         s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))
     if DOC:
         s = tl.where((i * KSTRIDE)[None, :] >= ds[:, None], s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
+def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE: tl.constexpr,
+              KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+    """One key tile of the online softmax."""
+    k, v, s = _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, qk_scale, KSTRIDE, KOFF, WIN, BK, DK, DV, DKP, DVP,
+                      DOC, MASK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -146,17 +156,9 @@ def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KS
 def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE: tl.constexpr,
              KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
              DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    i = i0 + tl.arange(0, BK)
-    kmask = i < i_end
-    k = tl.load(kb + i[:, None] * sks + dk[None, :], mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(vb + i[:, None] * svs + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
-    if MASK:
-        s = tl.where(_visible(t, i * KSTRIDE + KOFF, kmask, WIN), s, float("-inf"))  # before exp2: no overflow
-    if DOC:
-        s = tl.where((i * KSTRIDE)[None, :] >= ds[:, None], s, float("-inf"))
-    p = tl.exp2(s)
+    k, v, s = _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, qk_scale, KSTRIDE, KOFF, WIN, BK, DK, DV, DKP, DVP,
+                      DOC, MASK)
+    p = tl.exp2(s - lse[:, None])  # hidden: -inf - lse = -inf, also for rows that see nothing (lse = +inf)
     dp = tl.dot(do, tl.trans(v))
     dsc = p * (dp - delta[:, None])
     return dq + tl.dot(dsc.to(k.dtype), k)
