@@ -317,6 +317,25 @@ def test_kernel_case(verdicts, name):
     assert r["ok"], json.dumps(r, indent=1)
 
 
+def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
+    """The selected kernels' (block, token, slot) sort keys: int32 (half the radix passes) while every key fits,
+    int64 from T = 92.7k on (l' = 64, n = 16); the same sorted keys and block ranges either way."""
+    import torch
+
+    from nsa_titan.kernels.selected_blocks import pair_keys
+
+    n, lp = 16, 64
+    for T, dtype in ((1000, torch.int32), (92600, torch.int32), (92800, torch.int64)):
+        nb = -(-T // lp)
+        idx = torch.randint(-1, nb, (1, 1, T, n), generator=torch.Generator().manual_seed(T))
+        keys, off = pair_keys(idx, nb)
+        flat = torch.where(idx >= 0, idx * (T * n) + torch.arange(T * n).view(1, 1, T, n), nb * T * n)
+        want = torch.sort(flat.view(1, -1)).values
+        assert keys.dtype == dtype
+        assert torch.equal(keys.long(), want)
+        assert torch.equal(off, torch.searchsorted(want, torch.arange(nb + 1).view(1, -1) * (T * n)))
+
+
 def test_import_without_triton_raises_importerror():
     """A missing triton must surface as ImportError (the model then falls back to the torch path)."""
     code = ("import sys; sys.modules['triton'] = None\n"
