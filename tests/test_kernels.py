@@ -336,6 +336,19 @@ def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
         assert torch.equal(off, torch.searchsorted(want, torch.arange(nb + 1).view(1, -1) * (T * n)))
 
 
+def test_kernel_resources_reads_cuobjdump_usage_lines():
+    """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
+    resource line of cuobjdump --dump-resource-usage."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from kernel_resources import parse_usage
+
+    text = ("Resource usage:\n Function _band_bwd_dkdv:\n  REG:255 STACK:88 SHARED:1024 LOCAL:0 CONSTANT[0]:688 "
+            "TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    got = parse_usage(text)
+    assert (got["REG"], got["STACK"], got["SHARED"], got["LOCAL"]) == (255, 88, 1024, 0)
+
+
 def test_import_without_triton_raises_importerror():
     """A missing triton must surface as ImportError (the model then falls back to the torch path)."""
     code = ("import sys; sys.modules['triton'] = None\n"
