@@ -1,10 +1,12 @@
-"""Registers, spills and tensor-core instructions of the band kernels, compiled offline for an H100 (sm_90).
+"""Registers, spills and tensor-core instructions of the band kernels and the selected dK/dV, compiled offline
+for an H100 (sm_90).
 
     python benchmarks/kernel_resources.py [--out DIR]          # no GPU needed: the CPU machine will do
 
 Every launch shape of the band kernels that band.py can pick for the 1b (head dim 128, next_pow2(G) 16) and
 m7c (64, 8) attention shapes is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and
-without the mask-free interior (``SPLIT``); cuobjdump then gives registers per thread, stack bytes (spills
+without the mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
+(BK is not used there); cuobjdump then gives registers per thread, stack bytes (spills
 land there), the local loads/stores of spilled values (LDL/STL) and the wgmma instructions (HGMMA). Device
 time is scarce: this shows before any GPU run whether a shape spills. Caveat: the GPU machines run an older
 Triton (3.6 on 2026-11-25), whose code may differ; the JSON records the version that compiled.
@@ -27,11 +29,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa_titan.kernels import band  # noqa: E402
+from nsa_titan.kernels import band, selected  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
+SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
+                "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "POFF": "*i32", "DK_": "*bf16",
+                "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DS": "*fp32"}
 KERNELS = {"band_fwd": band._band_fwd, "band_dq": band._band_bwd_dq, "band_dkdv": band._band_bwd_dkdv}
 SHAPES = {"1b": (128, 16), "m7c": (64, 8)}  # head dim, next_pow2(G)
 GEOMETRY = {"cmp": (16, 31, 0), "win": (1, 0, 512)}  # KSTRIDE, KOFF, WIN of the paper's l=32, d=16, w=512
@@ -43,23 +48,20 @@ def parse_usage(text: str) -> dict:
     return {k: int(v) for k, v in (f.split(":", 1) for f in line.split() if ":" in f and f.split(":", 1)[1].isdigit())}
 
 
-def compile_one(kernel: str, D: int, gp: int, geo: str, cfg: dict) -> dict:
-    fn = KERNELS[kernel]
-    kstride, koff, win = GEOMETRY[geo]
-    const = dict(KSTRIDE=kstride, KOFF=koff, WIN=win, BT=max(1, cfg["rows"] // gp), GP=gp, BK=cfg["BK"], DK=D, DV=D,
-                 DKP=D, DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
+def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` for sm_90 with these constexprs (ints are i32, ``*scale`` args fp32, pointers 16-byte
+    aligned as in real launches) -> registers, stack bytes, shared bytes, LDL/STL/HGMMA counts."""
     names = fn.arg_names
-    sig, attrs, consts = {}, {}, {}
+    sig, attrs, const = {}, {}, {}
     for i, n in enumerate(names):
-        if n in const:
-            sig[n], consts[(i,)] = "constexpr", const[n]
-        elif n in POINTERS:
-            sig[n], attrs[(i,)] = POINTERS[n], [["tt.divisibility", 16]]
+        if n in consts:
+            sig[n], const[(i,)] = "constexpr", consts[n]
+        elif n in pointers:
+            sig[n], attrs[(i,)] = pointers[n], [["tt.divisibility", 16]]
         else:
             sig[n] = "fp32" if n.endswith("scale") else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -68,8 +70,22 @@ def compile_one(kernel: str, D: int, gp: int, geo: str, cfg: dict) -> dict:
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout.splitlines()
     count = {op: sum(f" {op}" in line for line in sass) for op in ("HGMMA", "LDL", "STL")}
-    return dict(kernel=kernel, D=D, gp=gp, geometry=geo, cfg=cfg, regs=usage.get("REG"), stack=usage.get("STACK"),
-                shared=k.metadata.shared, **count)
+    return dict(regs=usage.get("REG"), stack=usage.get("STACK"), shared=k.metadata.shared, **count)
+
+
+def compile_one(kernel: str, D: int, gp: int, geo: str, cfg: dict) -> dict:
+    """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored)."""
+    if kernel == "sel_dkdv":
+        fn, pointers = selected._sel_bwd_dkdv, SEL_POINTERS
+        consts = dict(LP=64, BS=64, NSEL=16, BT=max(1, cfg["rows"] // gp), GP=gp, DK=D, DV=D, DKP=D, DVP=D,
+                      STORE_DS=True, DOC=False)
+    else:
+        kstride, koff, win = GEOMETRY[geo]
+        fn, pointers = KERNELS[kernel], POINTERS
+        consts = dict(KSTRIDE=kstride, KOFF=koff, WIN=win, BT=max(1, cfg["rows"] // gp), GP=gp, BK=cfg["BK"], DK=D,
+                      DV=D, DKP=D, DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
+    res = compile_kernel(fn, consts, pointers, cfg["num_warps"], cfg["num_stages"])
+    return dict(kernel=kernel, D=D, gp=gp, geometry=geo, cfg=cfg, **res)
 
 
 def shapes_to_check(kernel: str, D: int, gp: int, windowed: bool) -> list[dict]:
@@ -96,6 +112,10 @@ def main():
                     r = dict(config=name, **compile_one(kernel, D, gp, geo, cfg))
                     print(json.dumps(r), flush=True)
                     rows.append(r)
+        for cfg in (dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2)):
+            r = dict(config=name, **compile_one("sel_dkdv", D, gp, "sel", dict(cfg, BK=64)))
+            print(json.dumps(r), flush=True)
+            rows.append(r)
     payload = dict(target="sm_90 (offline compile, no GPU)", triton=triton.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
     os.makedirs(a.out, exist_ok=True)
@@ -107,9 +127,10 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["cfg"]
-        lines.append(f"| {r['config']} | {r['kernel']} | {r['geometry']} | {c['rows']}/{c['BK']}/{c['num_warps']}/"
-                     f"{c['num_stages']} | {int(c.get('split', True))} | {r['regs']} | {r['stack']} | {r['LDL']} | "
-                     f"{r['STL']} | {r['HGMMA']} | {r['shared']} |")
+        band_row = r["kernel"] != "sel_dkdv"  # no key tiles (BK) and no split in the selected kernel
+        lines.append(f"| {r['config']} | {r['kernel']} | {r['geometry']} | {c['rows']}/{c['BK'] if band_row else '-'}/"
+                     f"{c['num_warps']}/{c['num_stages']} | {int(c.get('split', True)) if band_row else '-'} | "
+                     f"{r['regs']} | {r['stack']} | {r['LDL']} | {r['STL']} | {r['HGMMA']} | {r['shared']} |")
     with open(os.path.join(a.out, "kernel_resources_sm90.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
