@@ -21,11 +21,9 @@ def run_header(**extra) -> dict:
     """The fields every results JSON of these benchmarks starts with: device, versions, UTC date."""
     import datetime
 
-    import triton
+    from nsa_titan.components.runtime import device_name, software_versions
 
-    from nsa_titan.components.runtime import device_name
-
-    return dict(device=device_name(torch.device(DEV)), torch=torch.__version__, triton=triton.__version__,
+    return dict(device=device_name(torch.device(DEV)), **software_versions(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra)
 
 

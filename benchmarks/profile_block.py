@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_titan.components.runtime import device_name  # noqa: E402
 from nsa_titan.models import get_model_args  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 from nsa_titan.models.nsa.model import TransformerBlock  # noqa: E402
@@ -182,14 +181,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
-    import datetime
-
-    import triton
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    payload = dict(device=device_name(torch.device("cuda")), torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   blocks=[], attention=[])
+    from attention_checks import run_header
+
+    payload = run_header(blocks=[], attention=[])
     flavors = [f for f in a.flavors.split(",") if f]
     batches = [int(b) for b in a.batch.split(",")] if a.batch else [1] * len(flavors)
     for flavor, B in zip(flavors, batches):
