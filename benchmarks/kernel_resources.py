@@ -36,7 +36,7 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16
             "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
 SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
                 "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "POFF": "*i32", "DK_": "*bf16",
-                "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DS": "*fp32"}
+                "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32", "DS": "*fp32"}
 KERNELS = {"band_fwd": band._band_fwd, "band_dq": band._band_bwd_dq, "band_dkdv": band._band_bwd_dkdv}
 SHAPES = {"1b": (128, 16), "m7c": (64, 8)}  # head dim, next_pow2(G)
 GEOMETRY = {"cmp": (16, 31, 0), "win": (1, 0, 512)}  # KSTRIDE, KOFF, WIN of the paper's l=32, d=16, w=512
@@ -74,11 +74,12 @@ def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages:
 
 
 def compile_one(kernel: str, D: int, gp: int, geo: str, cfg: dict) -> dict:
-    """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored)."""
+    """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored; "sel_dqp":
+    dQ partials stored instead)."""
     if kernel == "sel_dkdv":
         fn, pointers = selected._sel_bwd_dkdv, SEL_POINTERS
         consts = dict(LP=64, BS=64, NSEL=16, BT=max(1, cfg["rows"] // gp), GP=gp, DK=D, DV=D, DKP=D, DVP=D,
-                      STORE_DS=True, DOC=False)
+                      STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False)
     else:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], POINTERS
@@ -113,9 +114,10 @@ def main():
                     print(json.dumps(r), flush=True)
                     rows.append(r)
         for cfg in (dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2)):
-            r = dict(config=name, **compile_one("sel_dkdv", D, gp, "sel", dict(cfg, BK=64)))
-            print(json.dumps(r), flush=True)
-            rows.append(r)
+            for geo in ("sel", "sel_dqp") if gp <= 8 else ("sel",):
+                r = dict(config=name, **compile_one("sel_dkdv", D, gp, geo, dict(cfg, BK=64)))
+                print(json.dumps(r), flush=True)
+                rows.append(r)
     payload = dict(target="sm_90 (offline compile, no GPU)", triton=triton.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
     os.makedirs(a.out, exist_ok=True)

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from nsa_titan.kernels import band, combine, select, selected
+from nsa_titan.kernels.selected_blocks import pair_key_dtype
 
 
 def _c(x: Tensor) -> Tensor:
@@ -36,10 +37,13 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
         o_cmp, lse_cmp = band.band_fwd(q, k_cmp, v_cmp, cmp_stride, cmp_block - 1, 0, doc_start=doc_start)
     block_idx = select.select_blocks(q, k_cmp, lse_cmp, cmp_block, cmp_stride, slc_block, top_n,
                                      doc_start=doc_start)
-    o_slc, lse_slc = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start)
+    o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start,
+                                            with_pairs=True)
     o_win, lse_win = band.band_fwd(q, k_win, v_win, 1, 0, window, doc_start=doc_start)
     out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
-    return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win
+    if keys is None:  # token-centric forward: the backward sorts the pairs itself
+        keys = block_idx.new_empty(0, dtype=torch.int32)
+    return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys
 
 
 # --- the whole NSA attention as one operator: three branches, block selection, gate combination ---
@@ -47,9 +51,11 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
             window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                      Tensor, Tensor]:
-    """-> out, block_idx, and per branch (o, lse) for the backward (cmp, slc, win). ``doc_start`` [B, T]
-    int32 contiguous or None: document masking in every branch (reference.py's rules)."""
+                                                                      Tensor, Tensor, Tensor]:
+    """-> out, block_idx, per branch (o, lse) for the backward (cmp, slc, win), and the selected branch's sorted
+    (block, token, slot) keys when its forward is block-centric (else empty), which the backward reuses instead
+    of sorting again. ``doc_start`` [B, T] int32 contiguous or None: document masking in every branch
+    (reference.py's rules)."""
     return _branches_fwd(*map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)), gates.contiguous(),
                          cmp_block, cmp_stride, slc_block, top_n, window, doc_start)
 
@@ -58,24 +64,31 @@ def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tenso
 def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
       doc_start=None):
     b, t, hq, _ = q.shape
+    hkv = k_slc.shape[2]
     o = _like(q, (b, t, hq, v_slc.shape[-1]))
     lse = _like(q, (b, t, hq), torch.float32)
-    return (o, _like(q, (b, k_slc.shape[2], t, top_n), torch.int64), _like(o), lse, _like(o), _like(lse),
-            _like(o), _like(lse))
+    if selected.forward_sorts_pairs(q, v_slc, hq // hkv, top_n, slc_block):
+        nb = -(-t // slc_block)
+        keys = _like(q, (b * hkv, t * top_n), pair_key_dtype(nb, t * top_n))
+    else:
+        keys = _like(q, (0,), torch.int32)
+    return (o, _like(q, (b, hkv, t, top_n), torch.int64), _like(o), lse, _like(o), _like(lse), _like(o),
+            _like(lse), keys)
 
 
 @custom_op("nsa_titan::nsa_bwd", mutates_args=())
 def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
-            lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, cmp_block: int, cmp_stride: int, slc_block: int,
-            window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                      Tensor, Tensor]:
+            lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int, cmp_stride: int,
+            slc_block: int, window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                   Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
     dq, dk_slc, dv_slc = selected.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, block_idx.contiguous(),
-                                          slc_block, delta=delta[1], doc_start=doc_start)
+                                          slc_block, delta=delta[1], doc_start=doc_start,
+                                          keys=pair_keys if pair_keys.numel() else None)
     _, dk_win, dv_win = band.band_bwd(do_win, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
                                       dq_acc=dq, doc_start=doc_start)
     if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
@@ -88,18 +101,18 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
 
 @nsa_bwd.register_fake
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
-      o_win, lse_win, cmp_block, cmp_stride, slc_block, window, doc_start=None):
+      o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None):
     return tuple(_like(x) for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
 
 
 def _nsa_setup(ctx, inputs, output):
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc = inputs
-    _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win = output
+    _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc,
-                          lse_slc, o_win, lse_win, doc)
+                          lse_slc, o_win, lse_win, keys, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
-    ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win)
-    # The seven auxiliary outputs never receive gradients: without this, autograd would allocate a zero
+    ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys)
+    # The eight auxiliary outputs never receive gradients: without this, autograd would allocate a zero
     # gradient for each of them (three [B, T, HQ, Dv] tensors: +37% peak memory, measured on an H100).
     ctx.set_materialize_grads(False)
 

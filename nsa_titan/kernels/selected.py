@@ -5,7 +5,8 @@ one tile (padded to >= 16 for the MMA) and walks that token's n selected blocks;
 once for the whole group. Keys s > t are masked, which only bites in the token's own block.
 
 dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted by block
-(selected_blocks.block_pairs: one torch.sort, static shapes, no host sync), which gives for every block the
+(selected_blocks.block_pairs: one key kernel, one torch.sort, one table kernel; static shapes, no host sync;
+the block-centric forward's sorted keys are reused when it ran), which gives for every block the
 ascending list of tokens that selected it. Every list is cut into chunks of at most CH pairs and one program
 takes one chunk (a static-size chunk table; spare programs exit). A block with one chunk writes its dK/dV rows
 directly; the chunks of a longer list (block 0 is chosen by every token, early blocks by ~3x the average) write
@@ -13,6 +14,9 @@ fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus 
 no single program serialises a popular block's list.
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
+
+dQ, three ways: recomputed per token (above), dS K from the dS the dK/dV walk stores, or (small groups at head
+dim <= l') the sum of per-(token, slot) partials dS K that the dK/dV walk computes with the K block it holds.
 
 For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py).
 """
@@ -25,7 +29,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected_blocks import block_pairs, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import block_pairs, sel_dq_sum, sel_fwd_blocks
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -156,16 +160,19 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DS,
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                   DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  DOC: tl.constexpr):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
-    STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP]."""
+    STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP].
+    STORE_DQ: also store every pair's dQ over this block, dS K (unscaled), to DQP [B, T, HKV, n, G, DK], which
+    selected_blocks._sel_dq_sum adds up per token: the K block is already in registers here, so dQ needs no
+    second pass reading K through L2 (the dS path's dQ kernel)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -215,6 +222,11 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
             slot = key - (key // NSEL) * NSEL
             d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
             tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
+        if STORE_DQ:
+            slot = key - (key // NSEL) * NSEL
+            q_row = (((b * T + t) * HKV + kv) * NSEL + slot) * G + g
+            tl.store(DQP + q_row[:, None] * DK + dk[None, :], tl.dot(ds, k).to(DQP.dtype.element_ty),
+                     mask=row_ok[:, None] & (dk[None, :] < DK))
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     alive = (sj * 0 + live) > 0
@@ -264,8 +276,10 @@ DS_BUDGET = 1 << 30
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
     the algorithm: for the forward 'token' (one program per token, this file) or 'blocks' (selected_blocks.py);
-    for dQ 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer fits DS_BUDGET) or 'recompute' (dQ
-    recomputes QK^T and dO V^T per token).
+    for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, fp32, and a sum kernel adds them per
+    token: for small groups whose head dim is at most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk
+    stores dS, dQ = dS K: when the dS buffer fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per
+    token).
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory
@@ -284,8 +298,15 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
             # (sweep_selected_blocks_*): m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k
             # 2.14 -> 1.88, 32k 8.74 -> 7.22; it loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1.
             c.update(algo="blocks", rows=128)
-    if kernel == "sel_dq" and q.shape[0] * q.shape[1] * q.shape[2] * n * lp * q.element_size() <= DS_BUDGET:
-        c.update(algo="ds")
+    if kernel == "sel_dq":
+        per_value = q.shape[0] * q.shape[1] * q.shape[2] * n  # (token, head, slot) triples
+        if per_value * lp * q.element_size() <= DS_BUDGET:
+            c.update(algo="ds")
+        if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and per_value * q.shape[-1] * 4 <= DS_BUDGET:
+            # dQ partials: fp32, so 2x dS's bytes at head dim = l' (m7c); no K re-read through L2. H100, whole NSA
+            # attention with the pair-table kernels (ab_attention_pairs_dqpartials_*): m7c 8k B=2 4.11 -> 3.38
+            # ms, 2k B=8 4.47 -> 3.20; the op's peak 0.65 -> 1.02 GiB. Unmeasured for G = 7 at head dim 128.
+            c.update(algo="partials")
     c.update(TUNED.get((kernel, pow2(G), dmax, False), {}))
     c.update(cfg or {})
     return c
@@ -298,27 +319,35 @@ def _consts(q, k, v, lp, n):
                    DVP=pow2(max(DV, 16)))
 
 
-def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None):
+def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None, with_pairs: bool = False):
     """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2);
-    ``doc_start`` [B,T] int32 or None: keys before the token's document are masked."""
+    ``doc_start`` [B,T] int32 or None: keys before the token's document are masked. ``with_pairs``: also return
+    the sorted (block, token, slot) keys when the block-centric forward ran (else None), for sel_bwd to reuse."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
     G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
-    o = q.new_empty(B, T, HQ, v.shape[-1])
-    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
     if lc.get("algo") == "blocks":
-        return sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start)
+        o, lse, keys = sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start)
+        return (o, lse, keys) if with_pairs else (o, lse)
+    o = q.new_empty(B, T, HQ, v.shape[-1])
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
                            *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E,
                            GR=max(16, pow2(G)), NPI=lc["NPI"], **c, DOC=doc_start is not None,
                            num_warps=lc["num_warps"], num_stages=lc["num_stages"])
-    return o, lse
+    return (o, lse, None) if with_pairs else (o, lse)
+
+
+def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
+    """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
+    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
 
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None):
-    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd."""
+            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None):
+    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd; ``keys``: the forward's
+    sorted pair keys (sel_fwd with_pairs), or None to sort here."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
@@ -330,8 +359,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
-    from_ds = lq.get("algo") == "ds"
-    if not from_ds:
+    algo = lq.get("algo", "recompute")
+    if algo == "recompute":
         _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
                                   DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
                                   ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lq["num_warps"],
@@ -344,28 +373,33 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
     bt = max(1, lc["rows"] // gp)
     ch = bt * _chunk_tiles(B * HKV * T * n, bt, q.device, lc)
-    keys, off, coff, prog = block_pairs(block_idx, nb, ch)
-    chunks = coff[:, 1:] - coff[:, :-1]
+    keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
     # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
     # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice.
-    poff = torch.nn.functional.pad(torch.cumsum(torch.where(chunks > 1, chunks, 0), -1), (1, 0)).to(torch.int32)
     nps = 2 * -(-T * n // ch)
     bs, dkp, dvp = c["BS"], c["DKP"], c["DVP"]
     dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
     dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
     pk = torch.empty(B * HKV, nps, bs, dkp, device=q.device, dtype=torch.float32)
     pv = torch.empty(B * HKV, nps, bs, dvp, device=q.device, dtype=torch.float32)
-    dsb = q.new_empty(B, HKV, T, n, G, slc_block) if from_ds else pk  # pk: never written without STORE_DS
+    dsb = q.new_empty(B, HKV, T, n, G, slc_block) if algo == "ds" else pk  # pk: never written without STORE_DS
+    dqp = pk  # never written without STORE_DQ
+    if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
+        dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
+                          dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
     _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
-        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, ds, *strides, T, nb, G, HKV,
-        prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, STORE_DS=from_ds,
-        DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
+        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, STORE_DS=algo == "ds",
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     _sel_bwd_reduce[(nb, B * HKV)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, DK=DK, DV=DV,
                                     DKP=dkp, DVP=dvp, num_warps=4)
-    if from_ds:
+    if algo == "ds":
         _sel_bwd_dq_ds[(T, B * HKV)](k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5, LP=slc_block,
                                      BS=bs, NSEL=n, NPI=lq["NPI"], GR=max(16, pow2(G)), DK=DK, DKP=dkp,
                                      ACC=dq_acc is not None, num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+    elif algo == "partials":
+        sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
     return dq, dk, dv
 
 
