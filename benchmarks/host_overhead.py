@@ -27,23 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, run_header  # noqa: E402
-from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
-
-from nsa_titan.kernels import nsa_attention  # noqa: E402
-
-
-def _fwdbwd_fn(name: str, T: int, B: int):
-    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
-    ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
-    dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
-
-    def fwdbwd():
-        for x in ins:
-            x.grad = None
-        nsa_attention(*ins, PAPER_P)[0].backward(dout)
-
-    return fwdbwd
+from attention_checks import run_header  # noqa: E402
+from profile_block import attention_fwdbwd  # noqa: E402
 
 
 def _host_ms(fn, iters: int) -> float:
@@ -108,7 +93,7 @@ def _top_host(fn, iters: int, top: int) -> list:
 
 
 def case(name: str, T: int, B: int, iters: int) -> dict:
-    fn = _fwdbwd_fn(name, T, B)
+    fn = attention_fwdbwd(name, T, B)[0]
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

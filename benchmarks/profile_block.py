@@ -118,7 +118,8 @@ def block_case(flavor: str, attn_type: str, T: int, B: int, compile_: bool) -> d
     return row
 
 
-def attention_case(name: str, T: int, B: int = 1) -> dict:
+def attention_fwdbwd(name: str, T: int, B: int = 1):
+    """-> (fwdbwd, inputs, dout): one forward+backward of the NSA attention on random bf16 inputs of a config."""
     from attention_checks import make_inputs
 
     from nsa_titan.kernels import nsa_attention
@@ -132,6 +133,11 @@ def attention_case(name: str, T: int, B: int = 1) -> dict:
             x.grad = None
         nsa_attention(*ins, PAPER_P)[0].backward(dout)
 
+    return fwdbwd, ins, dout
+
+
+def attention_case(name: str, T: int, B: int = 1) -> dict:
+    fwdbwd, ins, dout = attention_fwdbwd(name, T, B)
     q, k, v = ins[0], ins[3], ins[4]
 
     def sdpa():

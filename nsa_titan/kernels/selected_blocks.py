@@ -81,15 +81,21 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
 
 
 @triton.jit
-def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
-               DV: tl.constexpr, DVP: tl.constexpr):
-    """o = sum over used slots of exp2(lse_s - lse) * o_s, lse = log2 sum exp2(lse_s); slots in order."""
+def _slot_rows(T, G, HKV, BT: tl.constexpr, GP: tl.constexpr):
+    """The rows of a program over the per-(token, slot) partials: BT tokens x GP heads of one (batch, KV head);
+    grid (token tiles, B * HKV)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
     t = pid_m * BT + r // GP
     g = r % GP
-    row_ok = (t < T) & (g < G)
+    return (pid_bh // HKV).to(tl.int64), pid_bh % HKV, t, g, (t < T) & (g < G)
+
+
+@triton.jit
+def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
+               DV: tl.constexpr, DVP: tl.constexpr):
+    """o = sum over used slots of exp2(lse_s - lse) * o_s, lse = log2 sum exp2(lse_s); slots in order."""
+    b, kv, t, g, row_ok = _slot_rows(T, G, HKV, BT, GP)
     dv = tl.arange(0, DVP)
     m_i = tl.full([BT * GP], -1e30, tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
@@ -120,12 +126,7 @@ def _sel_dq_sum(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, BT: tl.co
                 DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
     """dQ = sm_scale * sum over used slots of the per-(token, slot) partials dS K that the dK/dV walk stored
     (selected._sel_bwd_dkdv, STORE_DQ), slots in order: deterministic. ACC: add to what DQ holds."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    r = tl.arange(0, BT * GP)
-    t = pid_m * BT + r // GP
-    g = r % GP
-    row_ok = (t < T) & (g < G)
+    b, kv, t, g, row_ok = _slot_rows(T, G, HKV, BT, GP)
     dk = tl.arange(0, DKP)
     acc = tl.zeros([BT * GP, DKP], tl.float32)
     for s in range(NSEL):  # unused slots (block -1) were never written
