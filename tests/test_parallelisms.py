@@ -201,6 +201,41 @@ def test_memory_budget_is_applied_per_block_and_not_leaked():
     assert functorch_config.activation_memory_budget == before
 
 
+def test_compile_cache_tag_is_set_while_blocks_compile_and_not_leaked():
+    """The custom ops' source fingerprint is part of the compile caches' key while a block compiles (added to a
+    tag the user set), and nothing of it stays set afterwards."""
+    import torch.compiler.config as compiler_config
+
+    seen = []
+
+    def backend(gm, example_inputs):  # called while the block compiles
+        seen.append(compiler_config.cache_key_tag)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model, tokens = _model_and_batch(n_layers=1)
+    apply_compile(model, Compile(enable=True), backend=backend, cache_tag="nsa_titan-ops-test")
+    with compiler_config.patch(cache_key_tag="mine"):  # a tag of the user's own
+        model(tokens)
+        assert compiler_config.cache_key_tag == "mine"
+    assert seen == ["mine|nsa_titan-ops-test"], seen
+
+
+def test_compile_cache_tag_follows_the_kernel_sources(tmp_path):
+    """A change to any file behind the custom ops gives another tag; the same files give the same one."""
+    import shutil
+
+    from nsa_titan.models.nsa import attention
+
+    src = Path(attention.__file__).resolve().parents[2] / "kernels"
+    shutil.copytree(src, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    tag = attention.compile_cache_tag()
+    assert tag.startswith("nsa_titan-ops-") and attention.compile_cache_tag(tmp_path / "kernels") == tag
+    with open(tmp_path / "kernels" / "ops.py", "a") as f:
+        f.write("\n# another version\n")
+    assert attention.compile_cache_tag(tmp_path / "kernels") != tag
+
+
 # ---- meshes and configuration ---------------------------------------------------------------------------
 def _pcfg(**kw):
     return load_job_config([f"--parallelism.{k}={v}" for k, v in kw.items()]).parallelism

@@ -11,44 +11,51 @@ from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config  # the partitioner's settings (activation_memory_budget)
+import torch.compiler.config as compiler_config  # cache_key_tag: part of every compile cache's key
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule  # private, but the class torch.compile returns
 from torch._dynamo.utils import counters  # private: dynamo's process-wide compile statistics
 
 
-class _MemoryBudgetScope:
-    """Sets compile's activation memory budget only while a block runs, instead of process-wide.
+class _CompileConfigScope:
+    """Sets compile settings only while a block runs, instead of process-wide: the activation memory budget
+    and a tag added to the compile caches' keys.
 
-    The budget is read when AOTAutograd partitions the joint forward/backward graph, which happens inside
-    the block's first call (and any recompile); forward pre/post hooks around the compiled block cover that.
+    Both are read when the block is compiled (AOTAutograd partitions the joint graph and the caches compute
+    their keys inside the block's first call, and any recompile); forward pre/post hooks around the compiled
+    block cover that.
     """
 
-    def __init__(self, budget: float):
-        self.budget = budget
-        self._saved: list[float] = []  # a stack: blocks do not nest, but re-entrancy must not lose a value
+    def __init__(self, budget: float | None, cache_tag: str | None):
+        self.budget, self.cache_tag = budget, cache_tag
+        self._saved: list[tuple[float, str]] = []  # a stack: blocks do not nest, but re-entrancy must not lose one
 
     def enter(self, module, args) -> None:
-        self._saved.append(functorch_config.activation_memory_budget)
-        functorch_config.activation_memory_budget = self.budget
+        self._saved.append((functorch_config.activation_memory_budget, compiler_config.cache_key_tag))
+        if self.budget is not None:
+            functorch_config.activation_memory_budget = self.budget
+        if self.cache_tag:  # added to a tag the user may have set (TORCH_COMPILE_CACHE_KEY_TAG)
+            compiler_config.cache_key_tag = "|".join(t for t in (compiler_config.cache_key_tag, self.cache_tag) if t)
 
     def exit(self, module, args, output) -> None:
-        functorch_config.activation_memory_budget = self._saved.pop()
+        functorch_config.activation_memory_budget, compiler_config.cache_key_tag = self._saved.pop()
 
 
 def apply_compile(model: nn.Module, compile_config: Any, memory_budget: float | None = None,
-                  backend: str = "inductor") -> None:
+                  backend: str = "inductor", cache_tag: str | None = None) -> None:
     """Replace each ``model.layers`` block by ``torch.compile(block, fullgraph=...)`` in place.
 
     ``memory_budget`` (activation_checkpoint mode 'memory_budget'): the budget compile's partitioner uses
     to choose which activations to recompute. ``backend``: 'inductor' for training; tests may pass
     'aot_eager_decomp_partition' (the same AOTAutograd partitioner, hence the same recompute decisions,
-    without code generation).
+    without code generation). ``cache_tag``: added to the compile caches' keys while the blocks compile (the
+    model's custom ops' source fingerprint: a graph cached by another version of them is then not reused).
     """
     for name, block in list(model.layers.items()):
         mode = None if compile_config.mode == "default" else compile_config.mode
         compiled = torch.compile(block, fullgraph=compile_config.fullgraph, backend=backend, mode=mode)
-        if memory_budget is not None:
-            scope = _MemoryBudgetScope(memory_budget)
+        if memory_budget is not None or cache_tag:
+            scope = _CompileConfigScope(memory_budget, cache_tag)
             compiled.register_forward_pre_hook(scope.enter)
             compiled.register_forward_hook(scope.exit)
         model.layers[name] = compiled

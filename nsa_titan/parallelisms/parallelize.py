@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nsa_titan.config import ConfigError
-from nsa_titan.models.nsa.attention import SELECTIVE_AC_SAVE_OPS
+from nsa_titan.models.nsa.attention import SELECTIVE_AC_SAVE_OPS, compile_cache_tag
 from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids
 from nsa_titan.parallelisms.compile import apply_compile
 from nsa_titan.parallelisms.data_parallel import apply_ddp, apply_fsdp1, apply_fsdp2, resolve_param_dtype
@@ -59,7 +59,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     apply_ac(model, ac, save_op_names=SELECTIVE_AC_SAVE_OPS)
     if job_config.compile.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None
-        apply_compile(model, job_config.compile, budget, backend=compile_backend)
+        apply_compile(model, job_config.compile, budget, backend=compile_backend, cache_tag=compile_cache_tag())
 
     mesh = parallel_dims.build_mesh(device)
     kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"

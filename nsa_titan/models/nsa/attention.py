@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +28,19 @@ NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_atten
 # the expensive part): the Triton forward, registered when nsa_titan.kernels imports. parallelize_nsa hands them to
 # the generic AC code, which knows no model.
 SELECTIVE_AC_SAVE_OPS = ("nsa_titan.nsa_fwd",)
+
+
+def compile_cache_tag(kernels: Path | None = None) -> str:
+    """A tag for torch.compile's cache keys that changes with the sources behind this package's custom ops
+    (nsa_titan/kernels/*.py, read as files: no triton needed). The compile caches key a graph by its traced code,
+    where a custom op is only a name; after an upgrade that changes an op's arguments, outputs or shape rules, a
+    cached graph from the old version calls it the old way (seen: "nsa_bwd() Expected a value of type 'Tensor'
+    for argument 'pair_keys'" when a new checkout reused an older one's cache). parallelize_nsa hands the tag to
+    apply_compile, which knows no model. ``kernels``: another copy of that folder (tests)."""
+    digest = hashlib.sha256()
+    for f in sorted((kernels or Path(__file__).resolve().parents[2] / "kernels").glob("*.py")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return "nsa_titan-ops-" + digest.hexdigest()[:16]
 
 
 def resolve_attn_impl(name: str, device: torch.device) -> str:
