@@ -29,7 +29,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected_blocks import block_pairs, sel_dq_sum, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import block_pairs, sel_dq_sum, sel_fwd_blocks, slot_row
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -218,13 +218,12 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
         dp = tl.dot(do, tl.trans(v))
         ds = (p * (dp - delta[:, None])).to(q.dtype)
         acc_k += tl.dot(tl.trans(ds), q)
+        slot = key - (key // NSEL) * NSEL  # only the stores below read it
         if STORE_DS:
-            slot = key - (key // NSEL) * NSEL
             d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
             tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
         if STORE_DQ:
-            slot = key - (key // NSEL) * NSEL
-            q_row = (((b * T + t) * HKV + kv) * NSEL + slot) * G + g
+            q_row = slot_row(b, t, kv, slot, g, T, HKV, G, NSEL)
             tl.store(DQP + q_row[:, None] * DK + dk[None, :], tl.dot(ds, k).to(DQP.dtype.element_ty),
                      mask=row_ok[:, None] & (dk[None, :] < DK))
     acc_k = acc_k * sm_scale

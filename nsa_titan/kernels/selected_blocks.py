@@ -31,6 +31,14 @@ from nsa_titan.kernels.combine import pow2
 
 
 @triton.jit
+def slot_row(b, t, kv, slot, g, T, HKV, G, NSEL: tl.constexpr):
+    """Row of (batch, token, KV head, slot, head) in the per-(token, slot) partial buffers [B, T, HKV, n, G, ...]:
+    the forward's outputs and LSEs and the backward's dQ partials; writers and readers all index through here,
+    so one (token, KV head) is contiguous for the merge and the dQ sum."""
+    return (((b * T + t) * HKV + kv) * NSEL + slot) * G + g
+
+
+@triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
                     BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -74,7 +82,7 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
     o = tl.dot(p.to(v.dtype), v) / tl.where(ok, l, 1.0)[:, None]
     lse = tl.where(ok, m + tl.log2(tl.where(ok, l, 1.0)), float("-inf"))
     # Partial slot layout [B, T, HKV, n, G(, Dv)]: the merge reads one (token, KV head) contiguously.
-    prow = (((b * T + t) * HKV + kv) * NSEL + slot) * G + g
+    prow = slot_row(b, t, kv, slot, g, T, HKV, G, NSEL)
     tl.store(OP + prow[:, None] * DV + dv[None, :], o.to(OP.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LP_ + prow, lse, mask=row_ok)
@@ -102,7 +110,7 @@ def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.const
     acc = tl.zeros([BT * GP, DVP], tl.float32)
     for s in range(NSEL):
         used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
-        prow = (((b * T + t) * HKV + kv) * NSEL + s) * G + g
+        prow = slot_row(b, t, kv, s, g, T, HKV, G, NSEL)
         lse_s = tl.load(LP_ + prow, mask=row_ok & used, other=float("-inf"))
         o_s = tl.load(OP + prow[:, None] * DV + dv[None, :], mask=(row_ok & used)[:, None] & (dv[None, :] < DV),
                       other=0.0).to(tl.float32)
@@ -131,7 +139,7 @@ def _sel_dq_sum(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, BT: tl.co
     acc = tl.zeros([BT * GP, DKP], tl.float32)
     for s in range(NSEL):  # unused slots (block -1) were never written
         used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
-        prow = (((b * T + t) * HKV + kv) * NSEL + s) * G + g
+        prow = slot_row(b, t, kv, s, g, T, HKV, G, NSEL)
         acc += tl.load(DQP + prow[:, None] * DK + dk[None, :], mask=(row_ok & used)[:, None] & (dk[None, :] < DK),
                        other=0.0).to(tl.float32)
     dq = acc * sm_scale
@@ -293,7 +301,6 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, BT=mt, GP=gp, DV=DV,
                                               DVP=consts["DVP"], num_warps=4)
     return o, lse, keys
-
 
 
 def sel_dq_sum(dqp: torch.Tensor, block_idx: torch.Tensor, dq: torch.Tensor, sm_scale: float, acc: bool) -> None:
