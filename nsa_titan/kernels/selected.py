@@ -275,10 +275,10 @@ DS_BUDGET = 1 << 30
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
     the algorithm: for the forward 'token' (one program per token, this file) or 'blocks' (selected_blocks.py);
-    for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, fp32, and a sum kernel adds them per
-    token: for small groups whose head dim is at most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk
-    stores dS, dQ = dS K: when the dS buffer fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per
-    token).
+    for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, in the inputs' dtype or with
+    partial_bits=32 in fp32, and a sum kernel adds them per token in fp32: for small groups whose head dim is at
+    most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer
+    fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per token).
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory
@@ -301,11 +301,15 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
         per_value = q.shape[0] * q.shape[1] * q.shape[2] * n  # (token, head, slot) triples
         if per_value * lp * q.element_size() <= DS_BUDGET:
             c.update(algo="ds")
-        if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and per_value * q.shape[-1] * 4 <= DS_BUDGET:
-            # dQ partials: fp32, so 2x dS's bytes at head dim = l' (m7c); no K re-read through L2. H100, whole NSA
-            # attention with the pair-table kernels (ab_attention_pairs_dqpartials_*): m7c 8k B=2 4.11 -> 3.38
-            # ms, 2k B=8 4.47 -> 3.20; the op's peak 0.65 -> 1.02 GiB. Unmeasured for G = 7 at head dim 128.
-            c.update(algo="partials")
+        partials_bytes = per_value * q.shape[-1] * q.element_size()
+        if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and partials_bytes <= DS_BUDGET:
+            # dQ partials in the inputs' dtype: dS's bytes at head dim = l' (m7c); no K re-read through L2. H100,
+            # whole NSA attention (ab_attention_pairs_dqpartials_*, ab_attention_bf16_partials_*): m7c 8k B=2
+            # 4.11 -> 3.38 ms with fp32 partials, -> 3.07 in bf16 (the op's peak 0.65 -> 1.02 -> 0.65 GiB), 2k B=8
+            # 4.47 -> 3.20 -> 2.53; at 32k bf16 partials fit the budget: 9.35 -> 8.21. The float64 check's m7c case
+            # 3.23e-3 (fp32) vs 3.30e-3 (bf16). partial_bits=32 keeps them in fp32. Unmeasured for G = 7 at head
+            # dim 128.
+            c.update(algo="partials", partial_bits=8 * q.element_size())
     c.update(TUNED.get((kernel, pow2(G), dmax, False), {}))
     c.update(cfg or {})
     return c
