@@ -25,11 +25,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing the pack
 
 VARIANTS = {
     "torch": ["--model.attn_impl", "torch"],
-    "torch_compile": ["--model.attn_impl", "torch", "--compile.enable"],
+    # compile without CUDA graphs whatever the config file's compile.mode says ('auto' would add them)
+    "torch_compile": ["--model.attn_impl", "torch", "--compile.enable", "--compile.mode", "default"],
     "triton": ["--model.attn_impl", "triton"],
-    "triton_compile": ["--model.attn_impl", "triton", "--compile.enable"],
+    "triton_compile": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "default"],
     "dense": ["--model.attn_type", "dense"],
-    "dense_compile": ["--model.attn_type", "dense", "--compile.enable"],
+    "dense_compile": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "default"],
     # the same, each compiled block replayed as a CUDA graph (no per-kernel host launches)
     "triton_compile_cg": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "reduce-overhead"],
     "torch_compile_cg": ["--model.attn_impl", "torch", "--compile.enable", "--compile.mode", "reduce-overhead"],

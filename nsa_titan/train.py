@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                    f"({model_info['params_with_embedding'] / 1e6:.2f}M total) | "
                    f"{flops_per_token / 1e9:.3f} GFLOP/token (training, seq_len {tc.seq_len}) | "
                    f"device {device_name(device)}")
-    _print0(world, describe_parallelism(parallel_dims, job_config, model_args.n_layers))
+    _print0(world, describe_parallelism(parallel_dims, job_config, model_args.n_layers, device.type))
+    cudagraphs = job_config.compile.uses_cudagraphs(device.type, parallel_dims.dp_enabled)
 
     params = [p for p in model.parameters() if p.requires_grad]
     with full_param_shapes(model):  # FSDP1 flattens parameters; decay groups are chosen by their real shapes
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             logger.step_start()
             micro_batches = [with_documents(move_batch(mb, device)) for mb in micro_batches]
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
-            if job_config.compile.cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
+            if cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
                 torch.compiler.cudagraph_mark_step_begin()
             with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
                 loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,

@@ -305,3 +305,19 @@ def test_job_config_to_dict_is_json_serialisable():
     d = job_config_to_dict(load_job_config(["--model.n_layers", "2"]))
     assert json.loads(json.dumps(d))["model"]["n_layers"] == 2
     assert set(d) == set(sections(JobConfig))
+
+
+@pytest.mark.parametrize("mode, device_type, data_parallel, expected", [
+    ("auto", "cuda", False, "reduce-overhead"),  # one GPU: CUDA graphs
+    ("auto", "cuda", True, "default"),  # data parallel hooks run between the blocks: no graphs
+    ("auto", "cpu", False, "default"),
+    ("default", "cuda", False, "default"),
+    ("reduce-overhead", "cuda", False, "reduce-overhead"),
+    ("max-autotune-no-cudagraphs", "cuda", False, "max-autotune-no-cudagraphs"),
+])
+def test_compile_mode_auto_resolves_per_run(mode, device_type, data_parallel, expected):
+    cc = load_job_config(["--compile.enable", "--compile.mode", mode]).compile
+    assert cc.effective_mode(device_type, data_parallel) == expected
+    assert cc.uses_cudagraphs(device_type, data_parallel) == (expected == "reduce-overhead")
+    off = load_job_config(["--compile.mode", mode] if mode == "default" else []).compile
+    assert not off.uses_cudagraphs(device_type, data_parallel)  # compile off: never graphs

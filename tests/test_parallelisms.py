@@ -25,6 +25,7 @@ from nsa_titan.parallelisms import (
     ParallelDims,
     apply_ac,
     apply_compile,
+    describe_parallelism,
     parallelize_nsa,
     ratio_block_ids,
     selective_save_ops,
@@ -293,6 +294,27 @@ def test_cuda_graph_mode_refused_off_gpu_before_anything_is_built():
     with pytest.raises(ConfigError, match="reduce-overhead.*one CUDA GPU"):
         parallelize_nsa(model, ParallelDims.from_config(1, cfg.parallelism), cfg, torch.device("cpu"))
     assert all(p.is_meta for p in model.parameters())  # refused before compile or materialisation
+
+
+def test_auto_compile_mode_runs_without_graphs_off_gpu(monkeypatch):
+    """compile.mode 'auto' is accepted where 'reduce-overhead' is refused, and compiles the blocks plainly there."""
+    import nsa_titan.parallelisms.compile as compile_mod
+
+    modes, real_compile = [], torch.compile
+
+    def recording_compile(fn, **kw):
+        modes.append(kw.get("mode"))
+        return real_compile(fn, **kw)
+
+    monkeypatch.setattr(compile_mod.torch, "compile", recording_compile)
+    cfg = load_job_config(["--compile.enable", "--compile.mode", "auto", "--model.n_layers", "2"])
+    with torch.device("meta"):
+        model = build_model(tiny_args(2))
+    dims = ParallelDims.from_config(1, cfg.parallelism)
+    parallelize_nsa(model, dims, cfg, torch.device("cpu"), compile_backend="eager")
+    assert modes == [None, None]  # torch.compile's default mode for both blocks, no CUDA graphs
+    assert "mode default" in describe_parallelism(dims, cfg, 2, "cpu")
+    assert "mode reduce-overhead" in describe_parallelism(dims, cfg, 2, "cuda")
 
 
 def test_single_process_parallelize_materialises_and_checkpoints():

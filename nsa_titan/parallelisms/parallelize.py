@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -51,15 +52,18 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
         raise ValueError("parallelize_nsa expects a model built under `with torch.device('meta')`: it shards "
                          "before allocating, so no rank ever holds the full model")
     ac, pc = job_config.activation_checkpoint, job_config.parallelism
-    if job_config.compile.cudagraphs and (device.type != "cuda" or parallel_dims.dp_enabled):
+    cc = job_config.compile
+    if cc.enable and cc.mode == "reduce-overhead" and (device.type != "cuda" or parallel_dims.dp_enabled):
         raise ConfigError("compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU without data parallelism "
                           f"(here: device {device.type}, data parallel degree {parallel_dims.dp_degree}): data "
                           "parallel hooks run between the blocks' graphs and reallocate parameters; use "
-                          "compile.mode 'default' there")
+                          "compile.mode 'auto' (graphs only where they can run) or 'default' there")
     apply_ac(model, ac, save_op_names=SELECTIVE_AC_SAVE_OPS)
     if job_config.compile.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None
-        apply_compile(model, job_config.compile, budget, backend=compile_backend, cache_tag=compile_cache_tag())
+        mode = cc.effective_mode(device.type, parallel_dims.dp_enabled)
+        apply_compile(model, dataclasses.replace(cc, mode=mode), budget, backend=compile_backend,
+                      cache_tag=compile_cache_tag())
 
     mesh = parallel_dims.build_mesh(device)
     kind = parallel_dims.data_parallel if parallel_dims.dp_enabled else "none"
@@ -76,8 +80,8 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
     return model
 
 
-def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers: int) -> str:
-    """One log line: data parallelism, mesh, AC and compile as they were applied."""
+def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers: int, device_type: str) -> str:
+    """One log line: data parallelism, mesh, AC and compile as they were applied (on a ``device_type`` device)."""
     ac, pc = job_config.activation_checkpoint, job_config.parallelism
     if parallel_dims.dp_enabled:
         shape, names = parallel_dims.mesh_shape()
@@ -91,5 +95,7 @@ def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers:
         ac_text = f"memory_budget {ac.memory_budget}"
     else:
         ac_text = ac.mode
-    compiled = f"per-block (fullgraph={job_config.compile.fullgraph})" if job_config.compile.enable else "off"
+    cc = job_config.compile
+    mode = cc.effective_mode(device_type, parallel_dims.dp_enabled)
+    compiled = f"per-block (fullgraph={cc.fullgraph}, mode {mode})" if cc.enable else "off"
     return f"parallelism: {dp} | activation checkpointing: {ac_text} | compile: {compiled}"
