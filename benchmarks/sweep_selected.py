@@ -50,7 +50,19 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=16),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=64),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=256),
-                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=1 << 20)],  # one chunk per block
+                 dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=1 << 20),  # one chunk per block
+                 # small groups at head dim 64 (m7c; the walk also stores the dQ partials there)
+                 dict(rows=64, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=3),
+                 dict(rows=32, num_warps=4, num_stages=2), dict(rows=128, num_warps=4, num_stages=2),
+                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=16),
+                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=32),
+                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256)],
+    # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
+    # per chunk; the first is the CUDA default
+    "select": [dict(rows=128, CI=64, num_warps=4, num_stages=3), dict(rows=64, CI=64, num_warps=4, num_stages=3),
+               dict(rows=256, CI=64, num_warps=8, num_stages=3), dict(rows=128, CI=32, num_warps=4, num_stages=3),
+               dict(rows=128, CI=128, num_warps=4, num_stages=3), dict(rows=128, CI=64, num_warps=8, num_stages=3),
+               dict(rows=128, CI=64, num_warps=4, num_stages=1), dict(rows=64, CI=128, num_warps=4, num_stages=2)],
 }
 
 
@@ -69,6 +81,8 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
         "sel_dq": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
         "sel_dkdv": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
+        "select": lambda c: (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
+                                                  p.slc_top_n, cfg=c),),
     }
     out = dict(config=name, T=T, B=B, G=G)
     for bt in TILES:

@@ -9,8 +9,10 @@ blocks with the eq. 9 overlap weights |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d (c
 The running top-n is merged chunk by chunk with int64 keys that pack (importance bits, ~block index): for
 non-negative floats the IEEE bit pattern is monotonic, so one integer comparison orders by importance and
 breaks ties towards the lower block index, which is the spec's rule. Forced blocks (0, current, previous)
-get +inf, non-candidates (blocks starting after t) key -1, which decodes to the unused index -1. Keys come
-out sorted by descending importance, the same order as torch_impl's stable sort.
+get +inf, non-candidates (blocks starting after t) key -1, which decodes to the unused index -1. Each chunk's
+keys join the running top in one bitonic top-k (tl.topk over 2W keys per row, W = max(pow2(n), pow2(BJ))),
+which keeps them sorted by descending key: the same order as torch_impl's stable sort. (An insertion loop of
+up to n max-extractions per chunk did the same before, serially.)
 With documents (DOC), compressed tokens outside the row's document are masked, blocks that end before it are
 no candidates, the forced first block is the document's first, and the chunk loop starts at the tile's
 earliest such block.
@@ -31,8 +33,8 @@ from nsa_titan.kernels.tuned import TUNED
 def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
                    T, TC, NB, G, HKV, qk_scale,
                    CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
-                   NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
-                   CI: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, DK: tl.constexpr,
+                   NSEL: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
+                   CI: tl.constexpr, BJ: tl.constexpr, DK: tl.constexpr,
                    DKP: tl.constexpr, DOC: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -54,12 +56,11 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         ds_tok = tl.load(DS + b * T + tt, mask=tt < T, other=0)
         first = ds_tok // LP
         j_lo = tl.min(tl.where(tt < T, first, NB))  # blocks before every token's document: no candidate
-    col = tl.arange(0, NP)
-    jc = tl.arange(0, BJP)
+    col = tl.arange(0, W)
+    jc = tl.arange(0, W)
     ci = tl.arange(0, CI)
-    # Running top-n as an unordered set; empty slots hold distinct negative keys (one slot replaced per
-    # insertion), and the NP - n padding slots hold +inf-like keys so that they are never the minimum.
-    best = tl.where(col[None, :] < NSEL, -2 - col[None, :].to(tl.int64), 2**62) + tl.zeros([BT, NP], tl.int64)
+    # Running top keys, W >= n columns sorted descending; -1 = empty (decodes to the unused index -1).
+    best = tl.full([BT, W], -1, tl.int64)
     nb_tile = tl.minimum((tl.minimum(pid_m * BT + BT, T) - 1) // LP + 1, NB)  # later blocks: no candidate
     for j0 in range(j_lo, nb_tile, BJ):
         # Compressed tokens overlapping blocks j0 .. j0+BJ-1: i from j0*R - (LD-1), CI >= BJ*R + LD - 1 of them.
@@ -76,9 +77,9 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         j = j0 + jc
         lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
         hi = tl.minimum(i[:, None] * CD + CL, (j[None, :] + 1) * LP)
-        w = (tl.maximum(hi - lo, 0) // CD).to(tl.float32)  # [CI, BJP] eq. 9 overlap in units of d
+        w = (tl.maximum(hi - lo, 0) // CD).to(tl.float32)  # [CI, W] eq. 9 overlap in units of d
         # Broadcast-and-sum rather than tl.dot: exact fp32 (a tf32 dot would create spurious near-ties).
-        imp = tl.sum(pg[:, :, None] * w[None, :, :], axis=1)  # [BT, BJP]
+        imp = tl.sum(pg[:, :, None] * w[None, :, :], axis=1)  # [BT, W]
         forced = (j[None, :] == first[:, None]) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
         imp = tl.where(forced, float("inf"), imp)
         cand = (j[None, :] * LP <= tt[:, None]) & (jc[None, :] < BJ) & (j[None, :] < NB)
@@ -86,24 +87,11 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
             cand = cand & ((j[None, :] + 1) * LP > ds_tok[:, None])
         bits = imp.to(tl.int32, bitcast=True).to(tl.int64)
         key = tl.where(cand, (bits << 32) | (2147483647 - j[None, :]).to(tl.int64), -1)
-        # Insert the chunk's keys that beat the row's current n-th best, largest first; the loop runs only
-        # as often as the most improved row of the tile needs (late chunks rarely improve anything).
-        kth = tl.min(best, 1)
-        n_in = tl.max(tl.sum(((key > kth[:, None]) & (key >= 0)).to(tl.int32), 1))
-        for _ in range(tl.minimum(n_in, NSEL)):
-            m = tl.max(key, 1)
-            kth = tl.min(best, 1)
-            # Only candidates (key >= 0) go in: keys stay unique, so exactly one slot (the minimum) is replaced.
-            best = tl.where((best == kth[:, None]) & ((m > kth) & (m >= 0))[:, None], m[:, None], best)
-            key = tl.where(key == m[:, None], -(2**62), key)
-    # Order the n kept keys by descending key (importance, then lower index): n extractions of the max.
-    out = tl.full([BT, NP], -1, tl.int64)
-    best = tl.where(col[None, :] < NSEL, best, -(2**62))
-    for k in tl.static_range(NSEL):
-        m = tl.max(best, 1)
-        out = tl.where(col[None, :] == k, m[:, None], out)
-        best = tl.where(best == m[:, None], -(2**62), best)
-    best = out
+        # Merge the chunk into the running top: one bitonic top-W of the 2W keys of each row (keys are unique
+        # but for the -1 of non-candidates), skipped when no key of the tile beats its row's n-th best.
+        kth = tl.min(tl.where(col[None, :] < NSEL, best, 2**62), 1)
+        if tl.max(tl.sum((key > kth[:, None]).to(tl.int32), 1)) > 0:
+            best = tl.topk(tl.reshape(tl.join(best, key), [BT, 2 * W]), W)
     idx = tl.where(best >= 0, 2147483647 - (best & 0xFFFFFFFF), -1)
     tl.store(IDX + ((b * HKV + kv) * T + tt[:, None]) * NSEL + col[None, :], idx,
              mask=(tt[:, None] < T) & (col[None, :] < NSEL))
@@ -132,6 +120,6 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     _select_kernel[(triton.cdiv(T, bt), B * HKV)](
         q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T, TC,
         nb, G, HKV, DK**-0.5 * LOG2E, CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n,
-        NP=pow2(top_n), BT=bt, GP=gp, CI=ci, BJ=bj, BJP=pow2(bj), DK=DK, DKP=pow2(max(DK, 16)),
+        W=max(pow2(top_n), pow2(bj)), BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)),
         DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     return idx

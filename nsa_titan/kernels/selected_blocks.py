@@ -100,54 +100,63 @@ def _slot_rows(T, G, HKV, BT: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
-               DV: tl.constexpr, DVP: tl.constexpr):
-    """o = sum over used slots of exp2(lse_s - lse) * o_s, lse = log2 sum exp2(lse_s); slots in order."""
+def _slot_tiles(IDX, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr):
+    """A program's rows (BT tokens x GP heads of one (batch, KV head)) by all NP >= n slots at once: the
+    [rows, NP] partial-buffer rows and whether each slot holds a block; loading every slot in one go keeps all
+    of a program's loads in flight (a loop over the slots waited for each slot's loads in turn)."""
     b, kv, t, g, row_ok = _slot_rows(T, G, HKV, BT, GP)
+    s = tl.arange(0, NP)
+    ok2 = row_ok[:, None] & (s[None, :] < NSEL)
+    used = tl.load(IDX + ((b * HKV + kv) * T + t)[:, None] * NSEL + s[None, :], mask=ok2, other=-1) >= 0
+    prow = slot_row(b, t[:, None], kv, s[None, :], g[:, None], T, HKV, G, NSEL)
+    return b, kv, t, g, row_ok, used & ok2, prow
+
+
+@triton.jit
+def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+               GP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+    """o = sum over used slots of exp2(lse_s - lse) * o_s, lse = log2 sum exp2(lse_s); a fixed reduction tree
+    over the slots (deterministic)."""
+    b, kv, t, g, row_ok, used, prow = _slot_tiles(IDX, T, G, HKV, NSEL, NP, BT, GP)
     dv = tl.arange(0, DVP)
-    m_i = tl.full([BT * GP], -1e30, tl.float32)
-    l_i = tl.zeros([BT * GP], tl.float32)
-    acc = tl.zeros([BT * GP, DVP], tl.float32)
-    for s in range(NSEL):
-        used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
-        prow = slot_row(b, t, kv, s, g, T, HKV, G, NSEL)
-        lse_s = tl.load(LP_ + prow, mask=row_ok & used, other=float("-inf"))
-        o_s = tl.load(OP + prow[:, None] * DV + dv[None, :], mask=(row_ok & used)[:, None] & (dv[None, :] < DV),
-                      other=0.0).to(tl.float32)
-        m_new = tl.maximum(m_i, lse_s)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse_s - m_new)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m_i = m_new
+    lse_s = tl.load(LP_ + prow, mask=used, other=float("-inf"))  # [rows, NP]
+    o_s = tl.load(OP + prow[:, :, None] * DV + dv[None, None, :],
+                  mask=used[:, :, None] & (dv[None, None, :] < DV), other=0.0).to(tl.float32)
+    m = tl.maximum(tl.max(lse_s, 1), -1e30)  # a row without a used slot keeps m finite: w = 0, l = 0
+    w = tl.exp2(lse_s - m[:, None])
+    l_i = tl.sum(w, 1)
+    acc = tl.sum(w[:, :, None] * o_s, 1)
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
     h = kv * G + g
     tl.store(O + ((b * T + t) * (HKV * G) + h)[:, None] * DV + dv[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
+    lse = tl.where(ok, m + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
 @triton.jit
-def _sel_dq_sum(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
-                DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
-    """dQ = sm_scale * sum over used slots of the per-(token, slot) partials dS K that the dK/dV walk stored
-    (selected._sel_bwd_dkdv, STORE_DQ), slots in order: deterministic. ACC: add to what DQ holds."""
-    b, kv, t, g, row_ok = _slot_rows(T, G, HKV, BT, GP)
+def _sel_dq_sum(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+                GP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
+    """dQ = sm_scale * the sum over used slots of the per-(token, slot) partials dS K that the dK/dV walk stored
+    (selected._sel_bwd_dkdv, STORE_DQ), in fp32 by a fixed reduction tree: deterministic. ACC: add to what DQ
+    holds."""
+    b, kv, t, g, row_ok, used, prow = _slot_tiles(IDX, T, G, HKV, NSEL, NP, BT, GP)
     dk = tl.arange(0, DKP)
-    acc = tl.zeros([BT * GP, DKP], tl.float32)
-    for s in range(NSEL):  # unused slots (block -1) were never written
-        used = tl.load(IDX + ((b * HKV + kv) * T + t) * NSEL + s, mask=row_ok, other=-1) >= 0
-        prow = slot_row(b, t, kv, s, g, T, HKV, G, NSEL)
-        acc += tl.load(DQP + prow[:, None] * DK + dk[None, :], mask=(row_ok & used)[:, None] & (dk[None, :] < DK),
-                       other=0.0).to(tl.float32)
-    dq = acc * sm_scale
+    part = tl.load(DQP + prow[:, :, None] * DK + dk[None, None, :],  # unused slots (block -1) were never written
+                   mask=used[:, :, None] & (dk[None, None, :] < DK), other=0.0).to(tl.float32)
+    dq = tl.sum(part, 1) * sm_scale
     ptr = DQ + ((b * T + t) * (HKV * G) + kv * G + g)[:, None] * DK + dk[None, :]
     m = row_ok[:, None] & (dk[None, :] < DK)
     if ACC:
         dq += tl.load(ptr, mask=m, other=0.0).to(tl.float32)
     tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=m)
+
+
+def _slot_tokens(gp: int, n: int, d: int) -> int:
+    """Tokens per program of the merge and the dQ sum: a [tokens * gp, pow2(n), d] fp32 tile of at most 16k
+    values (128 per thread with 4 warps)."""
+    return max(1, (1 << 14) // (gp * pow2(n) * pow2(max(d, 16))))
 
 
 @triton.jit
@@ -297,9 +306,9 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
         BT=bt, GP=gp, **consts, DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    mt = max(1, 64 // gp)
-    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, BT=mt, GP=gp, DV=DV,
-                                              DVP=consts["DVP"], num_warps=4)
+    mt = _slot_tokens(gp, n, DV)
+    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, NP=pow2(n), BT=mt, GP=gp,
+                                              DV=DV, DVP=consts["DVP"], num_warps=4)
     return o, lse, keys
 
 
@@ -308,6 +317,6 @@ def sel_dq_sum(dqp: torch.Tensor, block_idx: torch.Tensor, dq: torch.Tensor, sm_
     dqp [B, T, HKV, n, G, DK] (fp32 or bf16) that selected._sel_bwd_dkdv stored."""
     B, T, HKV, n, G, DK = dqp.shape
     gp = pow2(G)
-    mt = max(1, 64 // gp)
-    _sel_dq_sum[(triton.cdiv(T, mt), B * HKV)](dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, BT=mt, GP=gp, DK=DK,
-                                               DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)
+    mt = _slot_tokens(gp, n, DK)
+    _sel_dq_sum[(triton.cdiv(T, mt), B * HKV)](dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, NP=pow2(n), BT=mt,
+                                               GP=gp, DK=DK, DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)

@@ -33,5 +33,8 @@ TUNED: dict[tuple, dict] = {
     # Selected dK/dV (selected.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
     # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
     ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
+    # Selection (select.py) at m7c 8k batch 2, one pipeline stage: 0.255 -> 0.240 ms
+    # (sweep_selected_m7c_dkdv_select_*; the same sweep kept the selected dK/dV's 64 rows / 4 warps / 2 stages).
+    ("select", 8, 64, False): dict(num_stages=1),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
 }
