@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         graphs = compile_counter.graphs()
         # Diagnostics-enabled forwards (log steps) are one more graph per block kind, expected, not recompiles.
         expected = compile_counter.kinds * (2 if diagnostics.attached else 1)
-        compile_stats = {"graphs": graphs, "expected_graphs": expected, "recompiles": max(0, graphs - expected)}
+        compile_stats = {"graphs": graphs, "expected_graphs": expected, "recompiles": max(0, graphs - expected),
+                         "mode": job_config.compile.effective_mode(device.type, parallel_dims.dp_enabled)}
         _print0(world, f"compile: {graphs} graph(s) compiled for {model_args.n_layers} blocks "
                        f"({compile_stats['recompiles']} recompile(s); TORCH_LOGS=recompiles says why)")
     if dist.is_initialized():

@@ -237,6 +237,22 @@ def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypa
     assert again["rows"][0]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
 
 
+@pytest.mark.parametrize("extra, mode", [([], "default"), (["--compile.mode", "reduce-overhead"], "reduce-overhead")])
+def test_dp_compare_compares_one_gpu_in_the_wrappers_compile_mode(tmp_path, monkeypatch, extra, mode):
+    """compile.mode 'auto' (m7c's) would give the 1-GPU baseline CUDA graphs that no data-parallel run can use:
+    dp_compare pins 'default' unless the user names a mode."""
+    seen = []
+
+    def fake_run(self, name, gpus, args, fields):
+        seen.append(args)
+        return {"run": name, "gpus": gpus, "error": "not run", **fields}
+
+    monkeypatch.setattr(common.Runner, "run", fake_run)
+    dp_compare.main(["--config", "train_configs/m7c_125m.toml", "--cpu", "--gpus", "1", "--ac", "none", "--out",
+                     str(tmp_path), "--", "--compile.enable", *extra])
+    assert seen and all(a[a.index("--compile.mode") + 1] == mode and a.count("--compile.mode") == 1 for a in seen)
+
+
 def fake_row(gpus, dp, ac, tps, **kw):
     return {"run": f"{ac}_{gpus}_{dp}", "gpus": gpus, "data_parallel": dp, "ac": ac, "tokens_per_s_per_gpu": tps,
             "tokens_per_s": tps * gpus, "step_time_s": 8192 / tps, "peak_mem_gib": 40.0 / gpus,

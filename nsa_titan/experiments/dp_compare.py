@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="FSDP2 per-GPU tokens/s / one GPU's to call MET (issue 12: 0.95 for 1b, 0.90 for m7c)")
     a, extra = ap.parse_known_args(argv)
     extra = [x for x in extra if x != "--"] + (["--training.device", "cpu"] if a.cpu else [])
+    if "--compile.mode" not in extra:
+        # Like with like: compile.mode 'auto' (the m7c config's) would replay the 1-GPU run as CUDA graphs, which
+        # data-parallel runs cannot use, and the scaling column would then measure graphs, not the wrapper.
+        extra += ["--compile.mode", "default"]
     out = Path(a.out)
     runner = Runner(out / f"dp_compare_{a.tag}", warmup=a.warmup, steps=a.steps, timeout_s=a.run_timeout_s,
                     time_limit_s=a.time_limit_s, force=a.force, gpu=not a.cpu)
