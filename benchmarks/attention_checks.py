@@ -8,6 +8,10 @@ beat a chosen free block by more than a small tolerance. GPU only (``DEV``).
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +29,30 @@ def run_header(**extra) -> dict:
 
     return dict(device=device_name(torch.device(DEV)), **software_versions(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra)
+
+
+def sweep_parser(configs: str) -> argparse.ArgumentParser:
+    """The launch-shape sweeps' (sweep_band.py, sweep_selected.py) common options."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=configs)
+    ap.add_argument("--ts", default="8192,32768")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tag", default="", help="file name suffix, e.g. _blocks")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    return ap
+
+
+def run_sweep(kind: str, a: argparse.Namespace, case_fn) -> None:
+    """``case_fn(config, T)`` for every config and sequence length of ``a`` (a sweep_parser's); writes
+    <out>/<kind><tag>_<device>.json."""
+    payload = run_header(batch=a.batch, cases=[])
+    for name in a.configs.split(","):
+        for T in (int(t) for t in a.ts.split(",")):
+            payload["cases"].append(case_fn(name, T))
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{kind}{a.tag}_" + payload["device"].replace(" ", "_") + ".json"), "w") as f:
+        json.dump(payload, f, indent=1)
 
 
 def make_inputs(B, T, HQ, HKV, DK, DV, p, dtype=torch.bfloat16, seed=0):

@@ -13,8 +13,6 @@ checked against the default's (bf16 rounding only). Writes sweep_band<tag>_<devi
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -23,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, rel, run_header  # noqa: E402
+from attention_checks import make_inputs, rel, run_sweep, sweep_parser  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
 from nsa_titan.kernels import band  # noqa: E402
@@ -91,22 +89,8 @@ def case(name: str, T: int, B: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="1b,m7c,paper,qwen7b")
-    ap.add_argument("--ts", default="8192,32768")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--tag", default="", help="file name suffix")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    a = ap.parse_args()
-    payload = run_header(batch=a.batch, cases=[])
-    for name in a.configs.split(","):
-        for T in (int(t) for t in a.ts.split(",")):
-            payload["cases"].append(case(name, T, a.batch))
-            torch.cuda.empty_cache()
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"sweep_band{a.tag}_" + payload["device"].replace(" ", "_") + ".json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+    a = sweep_parser("1b,m7c,paper,qwen7b").parse_args()
+    run_sweep("sweep_band", a, lambda name, T: case(name, T, a.batch))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ sweep_selected_<device>.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, rel, run_header  # noqa: E402
+from attention_checks import make_inputs, rel, run_sweep, sweep_parser  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
@@ -113,22 +112,10 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="paper,1b,m7c,qwen7b")
-    ap.add_argument("--ts", default="8192,32768")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--tag", default="", help="file name suffix, e.g. _blocks")
+    ap = sweep_parser("paper,1b,m7c,qwen7b")
     ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
-    payload = run_header(cases=[])
-    for name in a.configs.split(","):
-        for T in (int(t) for t in a.ts.split(",")):
-            payload["cases"].append(case(name, T, a.batch, a.kernels.split(",")))
-            torch.cuda.empty_cache()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"sweep_selected{a.tag}_" + payload["device"].replace(" ", "_") + ".json"), "w") as f:
-        json.dump(payload, f, indent=1)
+    run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(",")))
 
 
 if __name__ == "__main__":
