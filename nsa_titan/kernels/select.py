@@ -56,8 +56,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         ds_tok = tl.load(DS + b * T + tt, mask=tt < T, other=0)
         first = ds_tok // LP
         j_lo = tl.min(tl.where(tt < T, first, NB))  # blocks before every token's document: no candidate
-    col = tl.arange(0, W)
-    jc = tl.arange(0, W)
+    col = tl.arange(0, W)  # the chunk's block columns (j0 + col), and the running top's columns
     ci = tl.arange(0, CI)
     # Running top keys, W >= n columns sorted descending; -1 = empty (decodes to the unused index -1).
     best = tl.full([BT, W], -1, tl.int64)
@@ -74,7 +73,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
             vis = vis & (i[None, :] * CD >= ds_row[:, None])
         p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
-        j = j0 + jc
+        j = j0 + col
         lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
         hi = tl.minimum(i[:, None] * CD + CL, (j[None, :] + 1) * LP)
         w = (tl.maximum(hi - lo, 0) // CD).to(tl.float32)  # [CI, W] eq. 9 overlap in units of d
@@ -82,7 +81,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         imp = tl.sum(pg[:, :, None] * w[None, :, :], axis=1)  # [BT, W]
         forced = (j[None, :] == first[:, None]) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
         imp = tl.where(forced, float("inf"), imp)
-        cand = (j[None, :] * LP <= tt[:, None]) & (jc[None, :] < BJ) & (j[None, :] < NB)
+        cand = (j[None, :] * LP <= tt[:, None]) & (col[None, :] < BJ) & (j[None, :] < NB)
         if DOC:
             cand = cand & ((j[None, :] + 1) * LP > ds_tok[:, None])
         bits = imp.to(tl.int32, bitcast=True).to(tl.int64)
