@@ -1,0 +1,130 @@
+"""The sliding-window branch alone, three ways: our band kernel, FlexAttention, flash-attn (issue 11 item 4).
+
+    python benchmarks/bench_window.py --cases m7c:8192:2,1b:8192:2,paper:8192:1,qwen7b:8192:1,m7c:32768:1 [--out DIR]
+
+Per case (config:T:B, configs as in profile_block.py, window 512 as the paper's): forward+backward ms (median of
+triton.testing.do_bench) and peak memory above the inputs of
+- ``band``: ``band_fwd`` + ``band_bwd`` as the fused NSA op calls them for the window (kstride 1, offset 0);
+- ``flex``: ``torch.compile``d flex_attention with the block mask the torch path uses
+  (``local_attention.window_block_mask``: full blocks skip the mask_mod);
+- ``flash``: ``flash_attn_func(causal=True, window_size=(w - 1, 0))``, only where flash-attn is installed.
+Each path's output and dQ are compared with the band kernel's (bf16 rounding: rel err ~1e-3). The fastest path per
+shape is what the NSA op should run for its window branch. Writes bench_window_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention_checks import rel, run_header  # noqa: E402
+from bench_attention import bench_one  # noqa: E402
+from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
+
+from nsa_titan.kernels import band  # noqa: E402
+from nsa_titan.models.nsa import local_attention  # noqa: E402
+
+
+class _Band(torch.autograd.Function):
+    """The band kernels as the NSA op runs them for its window branch, behind autograd so that every path is
+    timed the same way (forward, then backward from the same dO)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window):
+        o, lse = band.band_fwd(q, k, v, 1, 0, window)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window = window
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, 1, 0, ctx.window)
+        return dq, dk, dv, None
+
+
+def _flash(q, k, v, window):
+    from flash_attn import flash_attn_func  # noqa: PLC0415 - optional
+
+    return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
+
+
+def paths() -> dict:
+    found = {"band": lambda q, k, v, w: _Band.apply(q, k, v, w), "flex": local_attention._flex_window}
+    try:
+        import flash_attn  # noqa: F401, PLC0415 - optional: used when installed, never required
+
+        found["flash"] = _flash
+    except ImportError:
+        pass
+    return found
+
+
+def case(name: str, T: int, B: int, window: int) -> dict:
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+               for h, d in ((HQ, DK), (HKV, DK), (HKV, DV)))
+    dout = torch.randn(B, T, HQ, DV, device="cuda", generator=g).to(torch.bfloat16)
+    row, ref = dict(config=name, T=T, B=B, window=window), None
+    for label, fn in paths().items():
+        try:
+            out = fn(q, k, v, window)
+            (dq,) = torch.autograd.grad(out, q, dout)
+            if ref is None:
+                ref = out.detach(), dq
+            row[f"{label}_err"] = max(rel(out.detach(), ref[0]), rel(dq, ref[1]))
+            row[f"{label}_ms"], row[f"{label}_GiB"] = bench_one(lambda: fn(q, k, v, window), [q, k, v], dout,  # noqa: B023
+                                                                bwd=True)
+        except Exception as e:  # noqa: BLE001 - a path that cannot run this shape: record it, time the others
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        torch.cuda.empty_cache()
+    timed = {lb: row[f"{lb}_ms"] for lb in paths() if f"{lb}_ms" in row and row.get(f"{lb}_err", 1) < 1e-2}
+    row["fastest"] = min(timed, key=timed.get) if timed else None
+    return row
+
+
+def to_markdown(payload: dict) -> str:
+    labels = list(paths())
+    lines = [f"# Sliding-window branch, fwd+bwd: {payload['device']}", "",
+             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; bf16, window "
+             f"{payload['window']}; ms (median of do_bench), relative error of output/dQ vs the band kernel.", "",
+             "| config | T | B | " + " | ".join(f"{lb} ms" for lb in labels) + " | " +
+             " | ".join(f"{lb} err" for lb in labels) + " | fastest |",
+             "|---|---|---|" + "---|" * (2 * len(labels)) + "---|"]
+    for r in payload["rows"]:
+        ms = [f"{r[f'{lb}_ms']:.3f}" if f"{lb}_ms" in r else "error" for lb in labels]
+        err = [f"{r[f'{lb}_err']:.1e}" if f"{lb}_err" in r else "-" for lb in labels]
+        lines.append(f"| {r['config']} | {r['T']} | {r['B']} | " + " | ".join(ms + err) + f" | {r['fastest']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="m7c:8192:2,1b:8192:2,paper:8192:1,qwen7b:8192:1,m7c:32768:1,1b:32768:1")
+    ap.add_argument("--window", type=int, default=PAPER_P.window)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args()
+    payload = run_header(window=a.window, paths=list(paths()), rows=[])
+    for spec in a.cases.split(","):
+        name, T, B = spec.split(":")
+        payload["rows"].append(case(name, int(T), int(B), a.window))
+        print(json.dumps(payload["rows"][-1]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "bench_window_" + payload["device"].replace(" ", "_"))
+    with open(base + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(to_markdown(payload))
+    print(to_markdown(payload))
+
+
+if __name__ == "__main__":
+    main()
