@@ -18,7 +18,7 @@ SHIPPED = {
                          "training.steps": 150, "optimizer.lr": 1e-3, "lr_scheduler.warmup_steps": 15,
                          "training.mixed_precision": "bf16", "metrics.log_freq": 10, "metrics.val_freq": 50},
     "m7c_125m.toml": {"model.flavor": "m7c", "training.seq_len": 2048, "training.local_batch_size": 8,
-                      "training.steps": 1000, "optimizer.lr": 6e-4},
+                      "training.steps": 1000, "optimizer.lr": 6e-4, "compile.mode": "auto"},
     "nsa_1b.toml": {"model.flavor": "1b", "training.seq_len": 8192, "training.local_batch_size": 1,
                     "training.steps": 1000, "optimizer.lr": 3e-4},
     "nsa_qwen7b.toml": {"model.flavor": "qwen7b", "training.seq_len": 8192, "training.local_batch_size": 1,
@@ -29,6 +29,21 @@ SHIPPED = {
 def _get(cfg: JobConfig, dotted: str):
     section, key = dotted.split(".")
     return getattr(getattr(cfg, section), key)
+
+
+def test_every_shipped_config_is_listed():
+    assert sorted(p.name for p in (REPO / "train_configs").glob("*.toml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("extra", [[], ["--compile.enable"]])
+def test_shipped_configs_load_and_validate(name, extra):
+    """Each file as shipped, alone and compiled (README: CONFIG_FILE=... ./run_train.sh [--compile.enable])."""
+    path = REPO / "train_configs" / name
+    cfg = load_job_config(["--config", str(path), *extra])
+    for dotted, value in SHIPPED[name].items():
+        assert _get(cfg, dotted) == value, (name, dotted)
+    assert cfg.job.config_file == str(path)
 
 
 def _toml(tmp_path: Path, text: str, name: str = "job.toml") -> str:

@@ -380,9 +380,10 @@ class JobConfig:
             section_validate = getattr(getattr(self, f.name), "validate", None)
             if section_validate is not None:
                 section_validate()
-        if self.compile.mode != "default" and not self.compile.enable:
+        # 'auto' may sit in a config file that runs compiled or not (m7c's): it only says what compiling means.
+        if self.compile.mode not in ("default", "auto") and not self.compile.enable:
             raise ConfigError(f"compile.mode: '{self.compile.mode}' applies to torch.compile; add --compile.enable "
-                              "or leave compile.mode at 'default'")
+                              "or leave compile.mode at 'default' (or 'auto')")
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
                               "add --compile.enable or choose another mode (full, selective_op, ratio)")
