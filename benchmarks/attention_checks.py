@@ -31,6 +31,37 @@ def run_header(**extra) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra)
 
 
+def time_variants(fn, variants: list[dict], ref, label=None) -> tuple[list[dict], dict | None]:
+    """The sweeps' measurement: every launch config ``c`` of ``variants`` as ``fn(c)`` (a tuple of tensors), its
+    outputs checked against ``ref`` (bf16 rounding only: rel < 1e-2) and timed (median of do_bench); a config that
+    fails (e.g. does not fit shared memory) is recorded with its error. -> (rows, fastest row that matched)."""
+    from triton.testing import do_bench
+
+    res = []
+    for c in variants:
+        row = dict(cfg=c) if label is None else dict(cfg=c, label=label(c))
+        try:
+            got = fn(c)
+            same = all(rel(a, b) < 1e-2 for a, b in zip(got, ref))
+            row.update(ms=round(do_bench(lambda: fn(c), warmup=10, rep=50, return_mode="median"), 4),  # noqa: B023
+                       same=same)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        res.append(row)
+    ok = [r for r in res if "ms" in r and r["same"]]
+    return res, (min(ok, key=lambda r: r["ms"]) if ok else None)
+
+
+def write_results(out: str, stem: str, payload: dict, markdown: str) -> None:
+    """<out>/<stem>.json (every number) and .md (the table a person reads); the markdown is also printed."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(markdown)
+    print(markdown)
+
+
 def sweep_parser(configs: str) -> argparse.ArgumentParser:
     """The launch-shape sweeps' (sweep_band.py, sweep_selected.py) common options."""
     ap = argparse.ArgumentParser()

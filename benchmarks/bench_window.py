@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import rel, run_header  # noqa: E402
+from attention_checks import rel, run_header, write_results  # noqa: E402
 from bench_attention import bench_one  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
@@ -117,13 +117,7 @@ def main():
         name, T, B = spec.split(":")
         payload["rows"].append(case(name, int(T), int(B), a.window))
         print(json.dumps(payload["rows"][-1]), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, "bench_window_" + payload["device"].replace(" ", "_"))
-    with open(base + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(to_markdown(payload))
-    print(to_markdown(payload))
+    write_results(a.out, "bench_window_" + payload["device"].replace(" ", "_"), payload, to_markdown(payload))
 
 
 if __name__ == "__main__":

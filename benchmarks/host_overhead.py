@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import sys
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import run_header  # noqa: E402
+from attention_checks import run_header, write_results  # noqa: E402
 from profile_block import attention_fwdbwd  # noqa: E402
 
 
@@ -139,14 +138,8 @@ def main():
         print(f"{name} T={T} B={B}: host {r['host_ms']:.2f} ms, gpu {r['gpu_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms,"
               f" {r['launches']} launches", flush=True)
     payload = dict(benchmark="host_overhead", **run_header(), rows=rows)
-    os.makedirs(a.out, exist_ok=True)
     dev = payload["device"].replace(" ", "_")
-    stem = os.path.join(a.out, f"host_overhead{('_' + a.tag) if a.tag else ''}_{dev}")
-    with open(stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(payload))
-    print(to_markdown(payload))
+    write_results(a.out, f"host_overhead{('_' + a.tag) if a.tag else ''}_{dev}", payload, to_markdown(payload))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, rel, run_sweep, sweep_parser  # noqa: E402
+from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
 from nsa_titan.kernels import band  # noqa: E402
@@ -51,7 +51,6 @@ def _label(c: dict) -> str:
 
 
 def case(name: str, T: int, B: int) -> dict:
-    from triton.testing import do_bench
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
@@ -69,19 +68,8 @@ def case(name: str, T: int, B: int) -> dict:
                                                                                   cfg_dkdv=c)[1:],
         }
         for kname, fn in jobs.items():
-            ref = fn({})
-            res = []
-            for c in VARIANTS[kname]:
-                try:
-                    got = fn(c)
-                    same = all(rel(a, b) < 1e-2 for a, b in zip(got, ref))
-                    ms = do_bench(lambda: fn(c), warmup=10, rep=50, return_mode="median")  # noqa: B023
-                    res.append(dict(cfg=c, label=_label(c), ms=round(ms, 4), same=same))
-                except Exception as e:  # a shape that does not fit shared memory: record and go on
-                    res.append(dict(cfg=c, label=_label(c), error=f"{type(e).__name__}: {str(e)[:120]}"))
+            res, best = time_variants(fn, VARIANTS[kname], fn({}), label=_label)
             out[f"{geo_name}:{kname}"] = res
-            ok = [r for r in res if "ms" in r and r["same"]]
-            best = min(ok, key=lambda r: r["ms"]) if ok else None
             print(f"{name} T={T} B={B} {geo_name} {kname}: "
                   + ", ".join(f"{r['label']}={r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}" for r in res)
                   + f"  -> best {best and best['label']} {best and best['ms']}", flush=True)

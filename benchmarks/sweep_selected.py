@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, rel, run_sweep, sweep_parser  # noqa: E402
+from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
@@ -69,7 +69,6 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
 
 
 def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
-    from triton.testing import do_bench
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
@@ -90,19 +89,8 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
     for bt in TILES:
         out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
     for kname, fn in ((k, jobs[k]) for k in kernels):
-        ref = fn(VARIANTS[kname][0])
-        res = []
-        for c in VARIANTS[kname]:
-            try:
-                got = fn(c)
-                same = all(rel(a, b) < 1e-2 for a, b in zip(got, ref))
-                ms = do_bench(lambda: fn(c), warmup=10, rep=50, return_mode="median")  # noqa: B023
-                res.append(dict(cfg=c, ms=round(ms, 4), same=same))
-            except Exception as e:  # a shape that does not fit shared memory: record and go on
-                res.append(dict(cfg=c, error=f"{type(e).__name__}: {str(e)[:120]}"))
+        res, best = time_variants(fn, VARIANTS[kname], fn(VARIANTS[kname][0]))
         out[kname] = res
-        ok = [r for r in res if "ms" in r and r["same"]]
-        best = min(ok, key=lambda r: r["ms"]) if ok else None
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "
               + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
