@@ -237,7 +237,8 @@ def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypa
     assert again["rows"][0]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
 
 
-@pytest.mark.parametrize("extra, mode", [([], "default"), (["--compile.mode", "reduce-overhead"], "reduce-overhead")])
+@pytest.mark.parametrize("extra, mode", [([], "default"), (["--compile.mode", "reduce-overhead"], "reduce-overhead"),
+                                         (["--compile.mode=auto"], "auto")])
 def test_dp_compare_compares_one_gpu_in_the_wrappers_compile_mode(tmp_path, monkeypatch, extra, mode):
     """compile.mode 'auto' (m7c's) would give the 1-GPU baseline CUDA graphs that no data-parallel run can use:
     dp_compare pins 'default' unless the user names a mode."""
@@ -250,7 +251,11 @@ def test_dp_compare_compares_one_gpu_in_the_wrappers_compile_mode(tmp_path, monk
     monkeypatch.setattr(common.Runner, "run", fake_run)
     dp_compare.main(["--config", "train_configs/m7c_125m.toml", "--cpu", "--gpus", "1", "--ac", "none", "--out",
                      str(tmp_path), "--", "--compile.enable", *extra])
-    assert seen and all(a[a.index("--compile.mode") + 1] == mode and a.count("--compile.mode") == 1 for a in seen)
+    assert seen
+    for a in seen:
+        modes = [a[i + 1] for i, x in enumerate(a) if x == "--compile.mode"]
+        modes += [x.split("=", 1)[1] for x in a if x.startswith("--compile.mode=")]
+        assert modes == [mode], a
 
 
 def fake_row(gpus, dp, ac, tps, **kw):

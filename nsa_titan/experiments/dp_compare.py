@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="FSDP2 per-GPU tokens/s / one GPU's to call MET (issue 12: 0.95 for 1b, 0.90 for m7c)")
     a, extra = ap.parse_known_args(argv)
     extra = [x for x in extra if x != "--"] + (["--training.device", "cpu"] if a.cpu else [])
-    if "--compile.mode" not in extra:
+    if not any(x == "--compile.mode" or x.startswith("--compile.mode=") for x in extra):
         # Like with like: compile.mode 'auto' (the m7c config's) would replay the 1-GPU run as CUDA graphs, which
         # data-parallel runs cannot use, and the scaling column would then measure graphs, not the wrapper.
         extra += ["--compile.mode", "default"]

@@ -59,7 +59,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config: A
                           "parallel hooks run between the blocks' graphs and reallocate parameters; use "
                           "compile.mode 'auto' (graphs only where they can run) or 'default' there")
     apply_ac(model, ac, save_op_names=SELECTIVE_AC_SAVE_OPS)
-    if job_config.compile.enable:
+    if cc.enable:
         budget = ac.memory_budget if ac.mode == "memory_budget" else None
         mode = cc.effective_mode(device.type, parallel_dims.dp_enabled)
         apply_compile(model, dataclasses.replace(cc, mode=mode), budget, backend=compile_backend,
