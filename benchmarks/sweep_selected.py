@@ -55,10 +55,7 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=128, num_warps=4, num_stages=2),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=16),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=32),
-                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256),
-                 # the next tile's pair keys loaded one iteration ahead (selected._sel_bwd_dkdv PREFETCH)
-                 dict(rows=64, num_warps=4, num_stages=2, prefetch=True),
-                 dict(rows=128, num_warps=8, num_stages=2, prefetch=True)],
+                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
     # per chunk; the first is the CUDA default
     "select": [dict(rows=128, CI=64, num_warps=4, num_stages=3), dict(rows=64, CI=64, num_warps=4, num_stages=3),

@@ -181,9 +181,8 @@ def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
     one query tile (partials added by the reduce kernel) vs dQ summed from per-(token, slot) partials that the
-    dK/dV walk stores (fp32, and in the inputs' dtype), that one with the pair keys the block-centric
-    forward sorted, vs the dS path again with each tile's keys loaded one tile ahead (prefetch) in chunks of
-    four tiles. The whole-attention cases above run the default path only (on the interpreter: dS, two
+    dK/dV walk stores (fp32, and in the inputs' dtype), the last one with the pair keys the block-centric
+    forward sorted. The whole-attention cases above run the default path only (on the interpreter: dS, two
     tiles per chunk)."""
     import torch
 
@@ -193,8 +192,7 @@ def _sel_bwd_paths_check(device):
     worst = {}
     variants = [(dict(algo="recompute"), dict(chunk_tiles=1 << 20), False),
                 (dict(algo="ds"), dict(chunk_tiles=1), False), (dict(algo="partials"), dict(chunk_tiles=1), False),
-                (dict(algo="partials", partial_bits=16), dict(chunk_tiles=2), True),
-                (dict(algo="ds"), dict(chunk_tiles=4, prefetch=True), False)]  # keys loaded a tile ahead
+                (dict(algo="partials", partial_bits=16), dict(chunk_tiles=2), True)]
     for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
         p, dtype = NSAParams(*geo), getattr(torch, dt)
         doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None

@@ -165,16 +165,14 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                   T, NB, G, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                   DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, PREFETCH: tl.constexpr = False):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
     STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP].
     STORE_DQ: also store every pair's dQ over this block, dS K (unscaled), to DQP [B, T, HKV, n, G, DK], which
     selected_blocks._sel_dq_sum adds up per token: the K block is already in registers here, so dQ needs no
-    second pass reading K through L2 (the dS path's dQ kernel).
-    PREFETCH: load the next query tile's pair keys one iteration ahead, so that its Q/dO gathers wait for one
-    load instead of two in a row (a launch-config option for the sweeps; not yet measured on a GPU)."""
+    second pass reading K through L2 (the dS path's dQ kernel)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -199,16 +197,10 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     acc_k = tl.zeros([BS, DKP], tl.float32)
     acc_v = tl.zeros([BS, DVP], tl.float32)
     key_base = KEYS + pid_bh.to(tl.int64) * (T * NSEL)
-    if PREFETCH:
-        key_next = tl.load(key_base + lo + r // GP, mask=lo + r // GP < hi, other=0)
     for e0 in range(lo, hi, BT):
         e = e0 + r // GP
         row_ok = (e < hi) & (g < G)
-        if PREFETCH:
-            key = key_next
-            key_next = tl.load(key_base + e + BT, mask=e + BT < hi, other=0)
-        else:
-            key = tl.load(key_base + e, mask=e < hi, other=0)  # blk * T*n + t*n + slot
+        key = tl.load(key_base + e, mask=e < hi, other=0)  # blk * T*n + t*n + slot
         t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
         t = tl.where(e < hi, t, 0)
         q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
@@ -401,8 +393,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
         HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, STORE_DS=algo == "ds",
-        STORE_DQ=algo == "partials", DOC=doc_start is not None, PREFETCH=lc.get("prefetch", False),
-        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     _sel_bwd_reduce[(nb, B * HKV)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, DK=DK, DV=DV,
                                     DKP=dkp, DVP=dvp, num_warps=4)
     if algo == "ds":

@@ -37,4 +37,7 @@ TUNED: dict[tuple, dict] = {
     # (sweep_selected_m7c_dkdv_select_*; the same sweep kept the selected dK/dV's 64 rows / 4 warps / 2 stages).
     ("select", 8, 64, False): dict(num_stages=1),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
+    # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
+    # 1.931 ms (sweep_selected_prefetch_*).
+    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3),
 }
