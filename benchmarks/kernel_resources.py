@@ -4,7 +4,7 @@ for an H100 (sm_90).
     python benchmarks/kernel_resources.py [--out DIR]          # no GPU needed: the CPU machine will do
 
 Every launch shape of the band kernels that band.py can pick for the 1b (head dim 128, next_pow2(G) 16) and
-m7c (64, 8) attention shapes is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and
+m7c (64, G 6) attention shapes is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and
 without the mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
 (BK is not used there); cuobjdump then gives registers per thread, stack bytes (spills
 land there), the local loads/stores of spilled values (LDL/STL) and the wgmma instructions (HGMMA). Device
@@ -38,7 +38,7 @@ SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": 
                 "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "POFF": "*i32", "DK_": "*bf16",
                 "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32", "DS": "*fp32"}
 KERNELS = {"band_fwd": band._band_fwd, "band_dq": band._band_bwd_dq, "band_dkdv": band._band_bwd_dkdv}
-SHAPES = {"1b": (128, 16), "m7c": (64, 8)}  # head dim, next_pow2(G)
+SHAPES = {"1b": (128, 16), "m7c": (64, 6)}  # head dim, G
 GEOMETRY = {"cmp": (16, 31, 0), "win": (1, 0, 512)}  # KSTRIDE, KOFF, WIN of the paper's l=32, d=16, w=512
 
 
@@ -73,20 +73,21 @@ def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages:
     return dict(regs=usage.get("REG"), stack=usage.get("STACK"), shared=k.metadata.shared, **count)
 
 
-def compile_one(kernel: str, D: int, gp: int, geo: str, cfg: dict) -> dict:
+def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
     """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored; "sel_dqp":
     dQ partials stored instead)."""
     if kernel == "sel_dkdv":
         fn, pointers = selected._sel_bwd_dkdv, SEL_POINTERS
+        gp = band.pow2(G)
         consts = dict(LP=64, BS=64, NSEL=16, BT=max(1, cfg["rows"] // gp), GP=gp, DK=D, DV=D, DKP=D, DVP=D,
                       STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False)
     else:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], POINTERS
-        consts = dict(KSTRIDE=kstride, KOFF=koff, WIN=win, BT=max(1, cfg["rows"] // gp), GP=gp, BK=cfg["BK"], DK=D,
-                      DV=D, DKP=D, DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
+        consts = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=win, ROWS=cfg["rows"], BK=cfg["BK"], DK=D, DV=D, DKP=D,
+                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
     res = compile_kernel(fn, consts, pointers, cfg["num_warps"], cfg["num_stages"])
-    return dict(kernel=kernel, D=D, gp=gp, geometry=geo, cfg=cfg, **res)
+    return dict(kernel=kernel, D=D, G=G, geometry=geo, cfg=cfg, **res)
 
 
 def shapes_to_check(kernel: str, D: int, gp: int, windowed: bool) -> list[dict]:
@@ -106,16 +107,17 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     rows = []
-    for name, (D, gp) in SHAPES.items():
+    for name, (D, G) in SHAPES.items():
+        gp = band.pow2(G)
         for kernel in KERNELS:
             for geo in GEOMETRY:
                 for cfg in shapes_to_check(kernel, D, gp, geo == "win"):
-                    r = dict(config=name, **compile_one(kernel, D, gp, geo, cfg))
+                    r = dict(config=name, **compile_one(kernel, D, G, geo, cfg))
                     print(json.dumps(r), flush=True)
                     rows.append(r)
         for cfg in (dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2)):
             for geo in ("sel", "sel_dqp") if gp <= 8 else ("sel",):
-                r = dict(config=name, **compile_one("sel_dkdv", D, gp, geo, dict(cfg, BK=64)))
+                r = dict(config=name, **compile_one("sel_dkdv", D, G, geo, dict(cfg, BK=64)))
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     payload = dict(target="sm_90 (offline compile, no GPU)", triton=triton.__version__,

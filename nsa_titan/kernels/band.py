@@ -4,9 +4,12 @@ Key i sits at position pos(i) = i * KSTRIDE + KOFF and query t sees it iff pos(i
 pos(i) > t - WIN. Compressed attention is KSTRIDE = d, KOFF = l - 1 (token i covers [i*d, i*d + l)), no
 window; sliding-window attention is KSTRIDE = 1, KOFF = 0, WIN = w.
 
-GQA packing: one program owns BT consecutive tokens of one (batch, KV head) and all GP = next_pow2(G) query
-heads of that group, as BT * GP matrix rows (row r -> token t0 + r // GP, head r % GP, heads >= G masked).
-Every key/value tile is then loaded once for the whole group, and small G still fills the MMA tile.
+GQA packing: the (token, query head) pairs of one (batch, KV head) are numbered R = token * G + head, and a
+program owns ROWS consecutive R as matrix rows (row R -> token R // G, head R % G). Every key/value tile is
+then loaded once for the whole group, small G still fills the MMA tile, and a G that is not a power of two
+(m7c's 6, Qwen's 7) wastes no rows: padding the group to next_pow2(G) heads left 25 % of m7c's rows empty.
+A token's heads may straddle two programs; every row is independent in the forward and dQ, and the dK/dV
+walk steps through R the same way.
 
 Scores are kept in log2 units (the softmax scale is folded with log2(e)), so LSE is a base-2 log-sum-exp.
 Rows that see nothing get output 0 and LSE = +inf, which makes every recomputed probability exp2(s - LSE)
@@ -17,8 +20,8 @@ contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
 Mask-free interior tiles (SPLIT, on by default): every loop runs in three parts, masked / unmasked / masked.
 The middle part holds the whole tiles that every row of the program sees (keys at or before its first token
 and, with a window, after its last token's window start), so it skips the [rows x keys] visibility mask;
-only the causal diagonal and the window's far edge pay for it. Rows that are padding (heads >= G) read q = dO =
-0 and LSE = +inf, so their probabilities are exactly 0 without the mask as well.
+only the causal diagonal and the window's far edge pay for it. Rows past the last token read q = dO = 0 and
+LSE = +inf, so their probabilities are exactly 0 without the mask as well.
 
 Document masking (DOC, with DS = doc_start [B, T] int32): key i is also hidden from query t when its span
 starts before t's document, i * KSTRIDE < DS[t]; the forward and dQ start their key loop at the tile's
@@ -40,13 +43,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _rows(pid_m, pid_bh, T, G, HKV, BT: tl.constexpr, GP: tl.constexpr):
-    """Packed rows of a query tile: token, query head, validity."""
-    r = tl.arange(0, BT * GP)
-    t = pid_m * BT + r // GP
-    g = r % GP
-    kv = pid_bh % HKV
-    return t, kv * G + g, (t < T) & (g < G)
+def _rows(r0, kv, n_rows, G: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS packed rows from R = r0: token, query head, validity (R < n_rows). G is a constexpr, so the
+    division is a multiply and shift."""
+    R = r0 + tl.arange(0, ROWS)
+    t = R // G
+    return t, kv * G + R % G, R < n_rows
 
 
 @triton.jit
@@ -104,18 +106,19 @@ def _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE: tl.constexpr, KOFF: tl.c
 
 
 @triton.jit
-def _unmasked_queries(lo, hi, key_lo, key_last, T, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr,
-                      BT: tl.constexpr, SPLIT: tl.constexpr):
-    """[m1, m2): the whole BT-tiles of a query loop from lo (< hi) that see every key of [key_lo, key_last]."""
+def _unmasked_queries(lo, hi, key_lo, key_last, T, G: tl.constexpr, KSTRIDE: tl.constexpr, KOFF: tl.constexpr,
+                      WIN: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
+    """[m1, m2): the whole ROWS-tiles of a loop over packed rows R from lo (< hi) whose every row sees every key
+    of [key_lo, key_last] (row R is token R // G, so token bounds scale by G)."""
     m1 = hi
     m2 = hi
     if SPLIT:
-        fa = key_last * KSTRIDE + KOFF  # queries >= fa see the tile's last key
-        fb = T
+        fa = (key_last * KSTRIDE + KOFF) * G  # rows >= fa: tokens that see the tile's last key
+        fb = T * G
         if WIN > 0:
-            fb = key_lo * KSTRIDE + KOFF + WIN  # queries < fb still see its first key
-        m1 = tl.minimum(lo + tl.cdiv(tl.maximum(fa - lo, 0), BT) * BT, hi)
-        m2 = m1 + (tl.maximum(tl.minimum(fb, hi) - m1, 0) // BT) * BT
+            fb = (key_lo * KSTRIDE + KOFF + WIN) * G  # rows < fb: tokens that still see its first key
+        m1 = tl.minimum(lo + tl.cdiv(tl.maximum(fa - lo, 0), ROWS) * ROWS, hi)
+        m2 = m1 + (tl.maximum(tl.minimum(fb, hi) - m1, 0) // ROWS) * ROWS
     return m1, m2
 
 
@@ -165,14 +168,13 @@ def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale
 
 
 @triton.jit
-def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos, kmask,
-               acc_k, acc_v, qk_scale, KSTRIDE: tl.constexpr, WIN: tl.constexpr, GP: tl.constexpr,
-               DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr,
-               MASK: tl.constexpr):
-    """One query tile's contribution to a key tile's dK/dV."""
+def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+               acc_k, acc_v, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
+               ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+               DOC: tl.constexpr, MASK: tl.constexpr):
+    """One query tile (packed rows [r0, r0 + ROWS), those < hi valid) contribution to a key tile's dK/dV."""
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    t = t0 + r // GP
-    row_ok = (t < hi) & (g < G)
+    t, h, row_ok = _rows(r0, kv, hi, G, ROWS)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
@@ -195,25 +197,25 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi,
 
 @triton.jit
 def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-              T, S, G, HKV, qk_scale,
-              KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
-              GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              T, S, HKV, qk_scale, G: tl.constexpr,
+              KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
+              BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
+    t, h, row_ok = _rows(pid_m * ROWS, kv, T * G, G, ROWS)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    t_lo = pid_m * BT
-    t_hi = tl.minimum(t_lo + BT, T) - 1
+    t_lo = (pid_m * ROWS) // G
+    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, T - 1)
     i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
     m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
-    m_i = tl.full([BT * GP], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
-    l_i = tl.zeros([BT * GP], tl.float32)
-    acc = tl.zeros([BT * GP, DVP], tl.float32)
+    m_i = tl.full([ROWS], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DVP], tl.float32)
     kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
     for i0 in range(i_start, m1, BK):
         m_i, l_i, acc = _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KSTRIDE, KOFF,
@@ -234,16 +236,16 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
 
 @triton.jit
 def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                 T, S, G, HKV, qk_scale, sm_scale,
-                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
-                 GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 T, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
+                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
+                 BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
                  SPLIT: tl.constexpr):
     """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
     branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m, pid_bh, T, G, HKV, BT, GP)
+    t, h, row_ok = _rows(pid_m * ROWS, kv, T * G, G, ROWS)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
     q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -251,14 +253,14 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    t_lo = pid_m * BT
-    t_hi = tl.minimum(t_lo + BT, T) - 1
+    t_lo = (pid_m * ROWS) // G
+    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, T - 1)
     i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
     m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
     kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
-    dq = tl.zeros([BT * GP, DKP], tl.float32)
+    dq = tl.zeros([ROWS, DKP], tl.float32)
     for i0 in range(i_start, m1, BK):
         dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
                       DK, DV, DKP, DVP, DOC, True)
@@ -277,9 +279,9 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
 
 @triton.jit
 def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                   T, S, G, HKV, B, qk_scale, sm_scale, NSPLIT,
-                   KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, BT: tl.constexpr,
-                   GP: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   T, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
+                   KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
+                   BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
     """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -296,25 +298,23 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     q_hi = T
     if WIN > 0:
         q_hi = tl.minimum(T, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), BT) * BT
+    q_lo, q_hi = q_lo * G, q_hi * G  # as packed rows
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), ROWS) * ROWS
     lo = q_lo + pid_s * chunk
     hi = tl.minimum(lo + chunk, q_hi)
-    r = tl.arange(0, BT * GP)
-    g = r % GP
-    h = kv * G + g
     acc_k = tl.zeros([BK, DKP], tl.float32)
     acc_v = tl.zeros([BK, DVP], tl.float32)
-    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, T, KSTRIDE, KOFF, WIN, BT,
-                               SPLIT)
-    for t0 in range(lo, m1, BT):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, True)
-    for t0 in range(m1, m2, BT):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, False)
-    for t0 in range(m2, hi, BT):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, sqb, sqt, sqh, T, G, HKV, t0, hi, r, g, h, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, KSTRIDE, WIN, GP, DK, DV, DKP, DVP, DOC, True)
+    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, T, G, KSTRIDE, KOFF, WIN,
+                               ROWS, SPLIT)
+    for r0 in range(lo, m1, ROWS):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True)
+    for r0 in range(m1, m2, ROWS):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False)
+    for r0 in range(m2, hi, ROWS):
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
@@ -334,12 +334,13 @@ def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> d
 
 
 def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg: dict | None):
-    """-> (GP, BT, BK, triton launch kwargs). An explicit cfg (a sweep) overrides everything; its ``split``
-    (default True) turns the mask-free interior tiles on or off (off: every tile masked, for A/B runs)."""
-    gp = pow2(G)
-    c = dict(launch_cfg(kernel, gp, dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
+    """-> (ROWS, BK, triton launch kwargs). An explicit cfg (a sweep) overrides everything; its ``split``
+    (default True) turns the mask-free interior tiles on or off (off: every tile masked, for A/B runs).
+    The table is keyed by next_pow2(G); rows stay a power of two (a tl.arange length), at least 16 (the
+    smallest MMA tile)."""
+    c = dict(launch_cfg(kernel, pow2(G), dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
     kw = dict(num_warps=c["num_warps"], num_stages=c["num_stages"], SPLIT=bool(c.get("split", True)))
-    return gp, max(1, c["rows"] // gp), c["BK"], kw
+    return max(pow2(c["rows"]), 16), c["BK"], kw
 
 
 @functools.cache
@@ -369,11 +370,11 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
     G = HQ // HKV
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    gp, bt, bk, kw = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
-    grid = (triton.cdiv(T, bt), B * HKV)
+    rows, bk, kw = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
+    grid = (triton.cdiv(T * G, rows), B * HKV)
     _band_fwd[grid](q, k, v, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3], *k.stride()[:3],
-                    *v.stride()[:3], *o.stride()[:3], T, S, G, HKV, DK**-0.5 * LOG2E, KSTRIDE=kstride, KOFF=koff,
-                    WIN=window, BT=bt, GP=gp, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)),
+                    *v.stride()[:3], *o.stride()[:3], T, S, HKV, DK**-0.5 * LOG2E, G=G, KSTRIDE=kstride, KOFF=koff,
+                    WIN=window, ROWS=rows, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)),
                     DOC=doc_start is not None, **kw)
     return o, lse
 
@@ -389,21 +390,21 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     do = do.contiguous()
     if delta is None:
         delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
-    dims = dict(KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
+    dims = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
                 DVP=pow2(max(DV, 16)), DOC=doc_start is not None)
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    gp, bt, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-    _band_bwd_dq[(triton.cdiv(T, bt), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, S, G, HKV,
-                                                DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, BK=bk, **dims,
-                                                ACC=dq_acc is not None, **kw)
-    gp, bt, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
+    rows, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
+    _band_bwd_dq[(triton.cdiv(T * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, S, HKV,
+                                                      DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
+                                                      ACC=dq_acc is not None, **kw)
+    rows, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
     nsplit = _num_splits(T, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
-            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, S, G, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-            nsplit, BT=bt, GP=gp, BK=bk, **dims, **kw)
+            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+            nsplit, ROWS=rows, BK=bk, **dims, **kw)
     return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
