@@ -191,3 +191,19 @@ def test_the_estimate_check_probe_has_its_own_cache_entry(tmp_path):
     runner.cache.update({key: real, f"{key}-fake": fake})
     assert runner(Point(2, 1, 8, 0.5)) is real and runner(Point(2, 1, 8, 0.5), force_fake=True) is fake
     assert runner(Point(4, 1, 8, 0.5)) is None  # not cached, and the time limit allows no probe
+
+
+def test_a_fake_probe_cached_on_fewer_gpus_is_measured_for_real_where_the_gpus_exist(tmp_path):
+    """Probes cached on a 1-GPU machine hold fake-process-group results under the 2-GPU cells' keys. On a 2-GPU
+    machine those cells must be measured for real (before, the cached estimate came back as the row, and
+    --check-estimate compared the estimate with itself); the fake result stays as the cell's fake probe."""
+    runner = ac_planner.ProbeRunner(tmp_path, ["--config", "x.toml"], warmup=1, steps=1, timeout_s=1,
+                                    time_limit_s=0, in_process=True)  # no time left: a needed probe returns None
+    fake = {"fake_process_group": True, "step_time_s": 0.9}
+    key = f"{runner.fingerprint}/g2-b1-ga2-r0.5"
+    runner.cache[key] = fake
+    runner.gpus = 1  # rebuilding the report where only one GPU is visible: the fake result is the row
+    assert runner(Point(2, 1, 8, 0.5)) is fake
+    runner.gpus = 2  # the GPUs exist: the real probe is due (the time limit stops it here), the fake one is kept
+    assert runner(Point(2, 1, 8, 0.5)) is None
+    assert runner(Point(2, 1, 8, 0.5), force_fake=True) is fake and key not in runner.cache

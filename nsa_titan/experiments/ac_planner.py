@@ -187,8 +187,15 @@ class ProbeRunner:
         # machine with fewer GPUs (where every multi-GPU key looks fake; the results say what they are).
         suffix = "-fake" if force_fake and p.gpus > 1 else ""
         key = f"{self.fingerprint}/g{p.gpus}-b{p.local_batch}-ga{p.probe_ga}-r{p.ratio:g}{suffix}"
-        if key in self.cache:
-            return self.cache[key]
+        hit = self.cache.get(key)
+        if hit is not None and hit.get("fake_process_group") and not fake:
+            # A fake-process-group probe cached on a machine with fewer GPUs, where this one can measure the cell
+            # for real: it becomes the cell's fake probe (what --check-estimate compares with), and the real
+            # row is measured below instead of reusing the estimate as if it were a measurement.
+            self.cache.setdefault(f"{key}-fake", self.cache.pop(key))
+            hit = None
+        if hit is not None:
+            return hit
         if self.deadline is not None and time.monotonic() > self.deadline:
             return None
         if self.memory_cap_gib is not None and self.gpus == 0:  # checked here: a cached plan rebuilds anywhere
