@@ -166,12 +166,13 @@ def test_planner_skips_indivisible_batches_and_stops_cleanly_at_the_time_limit()
 def test_a_crashed_probe_is_an_error_not_a_cell_that_does_not_fit():
     def measure(p: Point):
         if p.local_batch == 2:
-            return {"failed": True, "error": "probe exit 1: RuntimeError: boom"}
+            return {"failed": True, "error": "probe exit 1:\n  x = f()\n      ^^^\nRuntimeError: boom\n"}
         return {"peak_reserved_gib": 1.0, "peak_alloc_gib": 0.0, "tokens_per_s_per_gpu": 1.0, "seq_len": 8,
                 "oom": False}
 
     rows = plan([1], [1, 2, 4], 64, RATIOS, measure, budget=lambda r: 30.0)
     assert [r["status"] for r in rows] == ["fits", "error", "fits"] and "boom" in rows[1]["note"]
+    assert "\n" not in rows[1]["note"]  # one line: it is a markdown table cell
 
 
 @pytest.mark.parametrize("pattern, lo, expected", [

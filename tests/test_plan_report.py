@@ -207,3 +207,27 @@ def test_a_fake_probe_cached_on_fewer_gpus_is_measured_for_real_where_the_gpus_e
     runner.gpus = 2  # the GPUs exist: the real probe is due (the time limit stops it here), the fake one is kept
     assert runner(Point(2, 1, 8, 0.5)) is None
     assert runner(Point(2, 1, 8, 0.5), force_fake=True) is fake and key not in runner.cache
+
+
+CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+@pytest.mark.parametrize("error, oom", [(CUBLAS_OOM, True), ("boom", False)])
+def test_a_probe_whose_cublas_handle_finds_no_memory_does_not_fit(monkeypatch, error, oom):
+    """cuBLAS failing to allocate its handle is how a nearly full GPU failed one probe (1b at 32k, fake group of 16):
+    a 'does not fit' like torch's OutOfMemoryError, not a crash that marks the cell as an error. Any other
+    RuntimeError still propagates."""
+    from nsa_titan.experiments import probe
+
+    def fail(*a, **k):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(probe, "train_step", fail)
+    argv = ["--config", "train_configs/debug_model.toml", "--training.device", "cpu", *TINY]
+    if not oom:
+        with pytest.raises(RuntimeError, match="boom"):
+            probe.run_probe(argv, warmup=0, steps=1)
+        return
+    result = probe.run_probe(argv, warmup=0, steps=1)
+    assert result["oom"] and "CUBLAS_STATUS_ALLOC_FAILED" in result["error"]
+    assert probe.ran_out_of_memory(f"[rank0]: RuntimeError: {CUBLAS_OOM}\n")  # the planner's reading of a probe log

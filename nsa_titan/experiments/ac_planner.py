@@ -46,7 +46,7 @@ from nsa_titan.config import load_job_config
 from nsa_titan.experiments.comm_model import DEFAULT_BANDWIDTH, Bandwidth, CommEstimator
 from nsa_titan.experiments.common import REPO, child_env, environment_of, launch_command, visible_gpus
 from nsa_titan.experiments.plan_report import describe, recommendations, write_plan_report
-from nsa_titan.experiments.probe import run_probe
+from nsa_titan.experiments.probe import ran_out_of_memory, run_probe
 
 __all__ = ["Point", "add_comm_estimates", "describe", "main", "plan", "recommendations", "smallest_fitting"]
 
@@ -137,7 +137,7 @@ def plan(gpus: Sequence[int], local_batches: Sequence[int], effective_batch: int
             try:
                 idx, complete = smallest_fitting(len(ratios), lo, fits)
             except ProbeFailed as e:
-                rows.append({**row, "status": "error", "probes": len(seen), "note": str(e)[-200:]})
+                rows.append({**row, "status": "error", "probes": len(seen), "note": " ".join(str(e).split())[-200:]})
                 continue
             row["probes"] = len(seen)
             if not complete:
@@ -241,7 +241,7 @@ class ProbeRunner:
         if rc == "timeout":
             self.log(f"probe timed out after {self.timeout_s:.0f} s (raise --probe-timeout-s); see {log_file}")
             return None
-        if "out of memory" in text.lower():  # outside the measured steps (e.g. NCCL buffers): still does not fit
+        if ran_out_of_memory(text):  # outside the measured steps (e.g. NCCL buffers): still does not fit
             return {"oom": True, "error": text[-300:], "peak_alloc_gib": math.inf, "seq_len": 0}
         return {"failed": True, "error": f"probe exit {rc}, see {log_file}: {text[-300:]}"}
 

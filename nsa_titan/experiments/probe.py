@@ -47,6 +47,16 @@ from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
 from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
 
+# Failures that mean "does not fit": the allocator's own error, and library handles (cuBLAS, cuDNN) that cannot get
+# their workspace when the caching allocator holds nearly all of the GPU (seen: 1b at 32k, fake group of 16).
+OOM_MARKS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
+def ran_out_of_memory(text: str) -> bool:
+    """Whether an error message or a probe's log says that memory ran out."""
+    low = text.lower()
+    return any(mark in low for mark in OOM_MARKS)
+
 
 def init_fake_process_group(world_size: int) -> None:
     """This process becomes rank 0 of ``world_size`` ranks whose collectives do nothing (see module docstring)."""
@@ -133,8 +143,10 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
         peak = peak_flops_for_name(result["device"])
         flops = training_flops_per_token(args, tc.seq_len)
         result["mfu"] = flops * result["tokens_per_s_per_gpu"] / peak if peak else None
-    except torch.OutOfMemoryError as e:
-        result.update(oom=True, error=str(e).splitlines()[0][:300])
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not ran_out_of_memory(str(e)):
+            raise
+        result.update(oom=True, error=str(e).strip().splitlines()[0][:300])
     alloc, reserved = peak_memory_gib(device)
     result.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, peak_active_gib=peak_active_gib(device))
     if result["oom"]:
