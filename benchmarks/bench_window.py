@@ -6,7 +6,8 @@ Per case (config:T:B, configs as in profile_block.py, window 512 as the paper's)
 triton.testing.do_bench) and peak memory above the inputs of
 - ``band``: ``band_fwd`` + ``band_bwd`` as the fused NSA op calls them for the window (kstride 1, offset 0);
 - ``flex``: ``torch.compile``d flex_attention with the block mask the torch path uses
-  (``local_attention.window_block_mask``: full blocks skip the mask_mod);
+  (``local_attention.window_block_mask``: full blocks skip the mask_mod), built in every call as the torch path
+  does; ``flex_mask_once`` the same with the mask built once per shape;
 - ``flash``: ``flash_attn_func(causal=True, window_size=(w - 1, 0))``, only where flash-attn is installed.
 Each path's output and dQ are compared with the band kernel's (bf16 rounding: rel err ~1e-3). The fastest path per
 shape is what the NSA op should run for its window branch. Writes bench_window_<device>.json and .md.
@@ -56,8 +57,23 @@ def _flash(q, k, v, window):
     return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
 
 
+_MASKS: dict = {}
+
+
+def _flex_mask_once(q, k, v, window):
+    """FlexAttention with the block mask built once per shape: how fast Flex is when a caller caches its mask
+    (the torch path builds it in every call, a few small GPU ops that the "flex" column includes)."""
+    key = (q.shape[1], window, q.device)
+    if key not in _MASKS:
+        _MASKS[key] = local_attention.window_block_mask(q.shape[1], window, q.device)
+    out = local_attention._compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           block_mask=_MASKS[key], enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def paths() -> dict:
-    found = {"band": lambda q, k, v, w: _Band.apply(q, k, v, w), "flex": local_attention._flex_window}
+    found = {"band": lambda q, k, v, w: _Band.apply(q, k, v, w), "flex": local_attention._flex_window,
+             "flex_mask_once": _flex_mask_once}
     try:
         import flash_attn  # noqa: F401, PLC0415 - optional: used when installed, never required
 
