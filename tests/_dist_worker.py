@@ -138,14 +138,27 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     return losses, grads
 
 
-def init_matches_single_process(dp: str) -> dict:
+def fsdp2_units_of_blocks(n_layers: int, per_unit: int) -> list[int]:
+    """Which FSDP2 unit (state) each block of a parallelized model belongs to, numbered in block order."""
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = job_config("--parallelism.data_parallel", "fsdp2", "--parallelism.fsdp_blocks_per_unit", str(per_unit),
+                     n_layers=n_layers)
+    with torch.device("meta"):
+        model = build_model(tiny_args(n_layers))
+    model = parallelize_nsa(model, ParallelDims.from_config(WORLD, cfg.parallelism), cfg, torch.device("cpu"))
+    states = [fully_shard.state(b) for b in model.layers.values()]
+    return [next(i for i, s in enumerate(states) if s is st) for st in states]
+
+
+def init_matches_single_process(dp: str, *overrides: str, n_layers: int = 2) -> dict:
     """parallelize_nsa's own initialisation (no state loaded) == one process's init with the same seed."""
-    cfg = job_config("--parallelism.data_parallel", dp)
+    cfg = job_config("--parallelism.data_parallel", dp, *overrides, n_layers=n_layers)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = build_model(tiny_args())
+        model = build_model(tiny_args(n_layers))
     model = parallelize_nsa(model, ParallelDims.from_config(WORLD, cfg.parallelism), cfg, torch.device("cpu"))
-    ref = reference_state(2)
+    ref = reference_state(n_layers)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -179,6 +192,11 @@ def _parity_cases():
         ("fsdp2_hsdp_2x1_ga2", [*fs2, "--parallelism.dp_replicate", "2"], 2, 2),
         ("fsdp2_never_reshard_prefetch1", [*fs2, "--parallelism.fsdp_reshard_after_forward", "never",
                                            "--parallelism.fsdp_prefetch", "1"], 2, 2),
+        # 3 blocks in units of 2 ([0, 1], [2]) with explicit prefetch, and with full AC inside a grouped unit
+        ("fsdp2_units2_prefetch1_ga2", [*fs2, "--parallelism.fsdp_blocks_per_unit", "2",
+                                        "--parallelism.fsdp_prefetch", "1"], 3, 2),
+        ("fsdp2_units2_full_ac", [*fs2, "--parallelism.fsdp_blocks_per_unit", "2", "--activation_checkpoint.mode",
+                                  "full"], 3, 1),
         ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
                                               "--parallelism.fsdp_cpu_offload"], 2, 1),
         ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1",
@@ -243,6 +261,9 @@ def _worker(rank: int, port: int, scenario: str, only: list[str] | None, out_pat
         if scenario == "parity":
             for dp in ("fsdp2", "fsdp1", "ddp"):
                 results[f"{dp}_init"] = init_matches_single_process(dp)
+            results["fsdp2_units2_init"] = init_matches_single_process(
+                "fsdp2", "--parallelism.fsdp_blocks_per_unit", "2", n_layers=3)
+            results["fsdp2_units2_init"]["units"] = fsdp2_units_of_blocks(3, 2)
         if scenario == "ac" and not only:  # last: it instruments FSDP2 for the rest of this process
             from _fsdp_order_worker import record_order
 

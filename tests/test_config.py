@@ -336,3 +336,10 @@ def test_compile_mode_auto_resolves_per_run(mode, device_type, data_parallel, ex
     assert cc.uses_cudagraphs(device_type, data_parallel) == (expected == "reduce-overhead")
     off = load_job_config(["--compile.mode", mode] if mode == "default" else []).compile
     assert not off.uses_cudagraphs(device_type, data_parallel)  # compile off: never graphs
+
+
+def test_fsdp_blocks_per_unit_is_for_fsdp2_and_positive():
+    assert load_job_config(["--parallelism.fsdp_blocks_per_unit", "2"]).parallelism.fsdp_blocks_per_unit == 2
+    assert "must be >= 1" in _error(["--parallelism.fsdp_blocks_per_unit", "0"])
+    msg = _error(["--parallelism.data_parallel", "ddp", "--parallelism.fsdp_blocks_per_unit", "2"])
+    assert "parallelism.fsdp_blocks_per_unit" in msg and "use fsdp2" in msg

@@ -49,9 +49,11 @@ def test_fsdp2_fsdp1_ddp_match_single_process():
     the same random rows on every rank)."""
     results = launch("parity")
     cases = [f"{dp}_{v}" for dp in ("fsdp2", "fsdp1", "ddp") for v in ("ga1", "ga2", "ga2_sync_every", "init")]
-    cases += ["fsdp2_hsdp_2x1_ga2", "fsdp2_never_reshard_prefetch1", "fsdp2_always_reshard_cpu_offload",
+    cases += ["fsdp2_hsdp_2x1_ga2", "fsdp2_never_reshard_prefetch1", "fsdp2_units2_prefetch1_ga2",
+              "fsdp2_units2_full_ac", "fsdp2_units2_init", "fsdp2_always_reshard_cpu_offload",
               "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph"]
     _check(results, cases)
+    assert results["fsdp2_units2_init"]["units"] == [0, 0, 2]  # blocks 0 and 1 share a unit, block 2 is alone
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +386,37 @@ def test_run_train_sh_two_cpu_processes(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["tokens"] == 6 * 2 * 2 * 128 * 2  # steps x GA x batch x seq x ranks
     assert summary["final_loss"] < summary["initial_loss"]
+
+
+def test_group_blocks_merges_runs_of_blocks_and_keeps_the_init_order():
+    """parallelism.fsdp_blocks_per_unit: runs of k consecutive blocks become one unit (the last run may be
+    shorter), the embedding and [norm + output] stay alone, and the initialisers still run in one process's
+    order (the same random draws)."""
+    import functools
+
+    from torch import nn
+
+    from nsa_titan.parallelisms.data_parallel import group_blocks
+
+    calls = []
+    emb, head, blocks = nn.Linear(1, 1), [nn.Linear(1, 1), nn.Linear(1, 1)], [nn.Linear(1, 1) for _ in range(5)]
+    units = [(emb, functools.partial(calls.append, "emb")),
+             *((b, functools.partial(calls.append, i)) for i, b in enumerate(blocks)),
+             (head, functools.partial(calls.append, "head"))]
+    for k, sizes in ((1, [1, 1, 1, 1, 1]), (2, [2, 2, 1]), (5, [5]), (8, [5])):
+        grouped = group_blocks(units, blocks, k)
+        assert grouped[0][0] is emb and grouped[-1][0] is head
+        assert [len(u) if isinstance(u, list) else 1 for u, _ in grouped[1:-1]] == sizes
+        assert [m for u, _ in grouped[1:-1] for m in (u if isinstance(u, list) else [u])] == blocks
+        calls.clear()
+        for _, init in grouped:
+            init()
+        assert calls == ["emb", 0, 1, 2, 3, 4, "head"]
+
+
+def test_the_parallelism_line_names_units_of_several_blocks():
+    cfg = load_job_config(["--parallelism.fsdp_blocks_per_unit", "3", "--model.n_layers", "6"])
+    line = describe_parallelism(ParallelDims.from_config(2, cfg.parallelism), cfg, 6, "cuda")
+    assert "fsdp2 over 2 ranks" in line and "3 blocks per unit" in line
+    one = load_job_config(["--model.n_layers", "6"])
+    assert "per unit" not in describe_parallelism(ParallelDims.from_config(2, one.parallelism), one, 6, "cuda")

@@ -100,6 +100,19 @@ def test_estimator_units_match_the_model_and_the_reshard_policy():
     assert ddp["comm_model"] is None and "FSDP2 only" in ddp["comm_note"]
 
 
+def test_estimator_units_of_several_blocks():
+    """parallelism.fsdp_blocks_per_unit 3 over 4 blocks: units [0-2] and [3], with their blocks' parameters and
+    FLOPs, and the mean recompute of their blocks; the same total bytes, fewer (larger) collectives."""
+    one, three = estimator(), estimator("--parallelism.fsdp_blocks_per_unit", "3")
+    units = three.units("ratio", 0.5)
+    assert [u.name for u in units] == ["embedding", "blocks 0-2", "block 3", "norm + output"]
+    block = one.units("none", 0)[1]
+    assert [(u.params, u.fwd_flops) for u in units[1:3]] == [(3 * block.params, 3 * block.fwd_flops),
+                                                               (block.params, block.fwd_flops)]
+    assert [u.recompute for u in units[1:3]] == [pytest.approx(2 / 3), 0.0]  # blocks 0 and 2 of [0, 1, 2]
+    assert sum(u.params for u in units) == sum(u.params for u in one.units("none", 0))
+
+
 # ---- labelling and the study layout --------------------------------------------------------------------------------
 def constant_comm(row, compute_s):
     return {"comm_model": "test", "compute_step_s": compute_s, "comm_exposed_s": 1.0, "comm_total_s": 3.0,

@@ -43,6 +43,12 @@ class Parallelism:
     fsdp_prefetch: int = 0
     """fsdp2: 0: FSDP2's implicit prefetching; N >= 1: explicitly all-gather the next N blocks in forward
     and the previous N blocks in backward."""
+    fsdp_blocks_per_unit: int = 1
+    """fsdp2: consecutive transformer blocks sharded as one unit: one all-gather, one reduce-scatter and one set
+    of FSDP2 hooks per unit instead of per block. A small model can be bound by FSDP2's host time per unit
+    (hooks, copying the gathered buffer into each parameter): m7c at 8k, batch 2, ran at 61.6 % of one GPU on
+    two H100s with 1 (docs/experiments.md). k > 1 divides that host time by k and holds k blocks unsharded at
+    once (more memory)."""
     fsdp1_sharding_strategy: Literal["full", "grad_op", "hybrid"] = "full"
     """fsdp1: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (needs dp_replicate > 1)."""
     fsdp1_use_orig_params: bool = True
@@ -64,6 +70,10 @@ class Parallelism:
         _check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                f"must be -1 (the rest of the ranks) or >= 1, got {self.dp_shard}")
         _check(self.fsdp_prefetch >= 0, "parallelism.fsdp_prefetch", f"must be >= 0, got {self.fsdp_prefetch}")
+        _check(self.fsdp_blocks_per_unit >= 1, "parallelism.fsdp_blocks_per_unit",
+               f"must be >= 1, got {self.fsdp_blocks_per_unit}")
+        _check(self.fsdp_blocks_per_unit == 1 or self.data_parallel == "fsdp2", "parallelism.fsdp_blocks_per_unit",
+               f"groups FSDP2's units only: leave it at 1 with data_parallel={self.data_parallel}, or use fsdp2")
         rafp = self.fsdp_reshard_after_forward
         _check(not isinstance(rafp, int) or rafp >= 2, "parallelism.fsdp_reshard_after_forward",
                f"an int must be >= 2 (a reshard world size), got {rafp}; or use default/always/never")

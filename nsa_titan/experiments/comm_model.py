@@ -184,9 +184,13 @@ class CommEstimator:
         n = self.args.n_layers
         checkpointed = set(ratio_block_ids(n, ratio)) if ac_mode == "ratio" else set()
         specs = [UnitSpec("embedding", self.params["embedding"], 0.0, 0.0, blocks_regather)]
-        for i in range(n):
-            r = (1.0 if i in checkpointed else 0.0) if ac_mode == "ratio" else RECOMPUTE[ac_mode]
-            specs.append(UnitSpec(f"block {i}", self.params["block"], self.block_flops, r, blocks_regather))
+        k = self.cfg.parallelism.fsdp_blocks_per_unit
+        for i in range(0, n, k):  # a unit of several blocks: their parameters and FLOPs, their mean recompute
+            ids = range(i, min(i + k, n))
+            rs = [(1.0 if j in checkpointed else 0.0) if ac_mode == "ratio" else RECOMPUTE[ac_mode] for j in ids]
+            name = f"block {i}" if len(ids) == 1 else f"blocks {i}-{ids[-1]}"
+            specs.append(UnitSpec(name, self.params["block"] * len(ids), self.block_flops * len(ids),
+                                  sum(rs) / len(rs), blocks_regather))
         specs.append(UnitSpec("norm + output", self.params["head"], self.head_flops, 0.0, policy == "always"))
         return specs
 

@@ -1,9 +1,9 @@
 """Data-parallel wrappers: FSDP2 (the default), and FSDP1 / DDP for comparison.
 
-Sharding units (FSDP2 and FSDP1 alike): the token embedding, each transformer block, [final norm + output]
-and the root (whatever is left). A unit's parameters are all-gathered just before it runs and its
-gradients reduce-scattered just after its backward, so communication overlaps the neighbouring units'
-compute.
+Sharding units (FSDP2 and FSDP1 alike): the token embedding, each transformer block (FSDP2: or each run of
+``parallelism.fsdp_blocks_per_unit`` blocks), [final norm + output] and the root (whatever is left). A unit's
+parameters are all-gathered just before it runs and its gradients reduce-scattered just after its backward, so
+communication overlaps the neighbouring units' compute.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
     blocks_reshard, last_reshard = _reshard_policy(pcfg.fsdp_reshard_after_forward)
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
 
-    units = model.init_units()  # the embedding, each block, [norm + output]: FSDP's units, in init order
-    blocks = list(model.layers.values())
+    # the embedding, each block (or run of blocks), [norm + output]: FSDP's units, in init order
+    units = group_blocks(model.init_units(), list(model.layers.values()), pcfg.fsdp_blocks_per_unit)
     for i, (unit, init) in enumerate(units):
         for module in unit if isinstance(unit, list) else [unit]:
             module.to_empty(device=device)
@@ -83,11 +83,49 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
 
     n = pcfg.fsdp_prefetch
     if n > 0:
-        # Explicit prefetch: issue the next n blocks' all-gathers when block i starts (forward), the previous
-        # n blocks' when block i's backward starts; more overlap than the implicit one-ahead, more memory.
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
+        # Explicit prefetch: issue the next n units' all-gathers when unit i starts (forward), the previous
+        # n units' when unit i's backward starts; more overlap than the implicit one-ahead, more memory. A unit
+        # of several blocks is named by its first block (its FSDP state is shared by all of them).
+        ids = {id(b) for b in model.layers.values()}
+        firsts = [m for m in (u[0] if isinstance(u, list) else u for u, _ in units) if id(m) in ids]
+        for i, unit in enumerate(firsts):
+            unit.set_modules_to_forward_prefetch(firsts[i + 1:i + 1 + n])
+            unit.set_modules_to_backward_prefetch(firsts[max(0, i - n):i][::-1])
+
+
+class _InitEach:
+    """The initialiser of a unit of several blocks: each block's, in order (an object, not a closure in a loop:
+    each unit keeps its own list)."""
+
+    def __init__(self, inits: list):
+        self.inits = list(inits)
+
+    def __call__(self) -> None:
+        for init in self.inits:
+            init()
+
+
+def group_blocks(units: list, blocks: list[nn.Module], per_unit: int) -> list:
+    """``model.init_units()`` with each run of ``per_unit`` consecutive blocks merged into one unit (a list of
+    blocks whose initialiser runs theirs in order: the random draws stay one process's). The last run may be
+    shorter."""
+    if per_unit == 1:
+        return list(units)
+    ids = {id(b) for b in blocks}
+    out, run = [], []
+    for unit, init in units:
+        if not isinstance(unit, list) and id(unit) in ids:
+            run.append((unit, init))
+            if len(run) < per_unit:
+                continue
+        if run:
+            out.append(([m for m, _ in run], _InitEach([f for _, f in run])))
+            run = []
+        if isinstance(unit, list) or id(unit) not in ids:
+            out.append((unit, init))
+    if run:
+        out.append(([m for m, _ in run], _InitEach([f for _, f in run])))
+    return out
 
 
 def apply_fsdp1(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torch.dtype,

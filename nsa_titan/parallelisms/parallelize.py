@@ -87,6 +87,8 @@ def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers:
         shape, names = parallel_dims.mesh_shape()
         dp = f"{parallel_dims.data_parallel} over {parallel_dims.dp_degree} ranks, mesh " + \
              " x ".join(f"{n}={s}" for n, s in zip(names, shape)) + f", grad sync {pc.grad_sync}"
+        if parallel_dims.data_parallel == "fsdp2" and pc.fsdp_blocks_per_unit > 1:
+            dp += f", {pc.fsdp_blocks_per_unit} blocks per unit"
     else:
         dp = "no data parallelism (1 rank)"
     if ac.mode == "ratio":
