@@ -361,3 +361,28 @@ def test_analyze_trace_reports_what_the_fsdp2_ac_hypotheses_need(tmp_path):
     timeline = json.load(gzip.open(tmp_path / "t.json.gz", "rt"))
     assert [e[3] for e in timeline if e[2].startswith("stream")].count("gemm") == 2
     assert {e[3] for e in timeline if e[2].startswith("rt")} == {"cudaStreamSynchronize", "cudaStreamWaitEvent"}
+
+
+def test_ncu_attention_reads_the_raw_csv_and_sorts_the_stalls():
+    """benchmarks/ncu_attention.py's parser on ncu's raw page layout (a header row, a units row, a row per
+    kernel; ncu's own ==PROF== lines and the program's prints around it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ncu_attention", common.REPO / "benchmarks" / "ncu_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "launch__registers_per_thread",
+              "sm__warps_active.avg.pct_of_peak_sustained_active", stall.format("long_scoreboard"),
+              stall.format("barrier"), stall.format("mio_throttle")]
+    text = "\n".join(["==PROF== Connected to process 1", "a print of the program",
+                      ",".join(f'"{h}"' for h in header), '"","","usecond","register/thread","%","","",""',
+                      '"0","_sel_bwd_dkdv","645.5","240","11.2","9.5","1.25","3.0"',
+                      '"1","_band_fwd","110","255","12.4","0.5","n/a","2"', "==PROF== Disconnected"])
+    rows = mod.parse_raw(text)
+    assert [r["kernel"] for r in rows] == ["_sel_bwd_dkdv", "_band_fwd"]
+    assert rows[0]["duration"] == 645.5 and rows[0]["duration_unit"] == "usecond" and rows[0]["registers"] == 240
+    assert list(rows[0]["stalls"].items()) == [("long_scoreboard", 9.5), ("mio_throttle", 3.0), ("barrier", 1.25)]
+    assert list(rows[1]["stalls"]) == ["mio_throttle", "long_scoreboard"]  # "n/a" is left out, not zero
+    assert "long_scoreboard 9.5" in mod.to_markdown(dict(case="m7c:8192:2", device="d", torch="t", triton="x",
+                                                          date="now", command="ncu", kernels=rows))
