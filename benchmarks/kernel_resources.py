@@ -3,9 +3,10 @@ for an H100 (sm_90).
 
     python benchmarks/kernel_resources.py [--out DIR]          # no GPU needed: the CPU machine will do
 
-Every launch shape of the band kernels that band.py can pick for the 1b (head dim 128, next_pow2(G) 16) and
-m7c (64, G 6) attention shapes is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and
-without the mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
+Every launch shape of the band kernels that band.py can pick for the 1b (head dim 128, G 16) and m7c (64, G 6)
+attention shapes (band rows are packed (token, head) pairs; the selected dK/dV pads each group to
+next_pow2(G)) is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and without the
+mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
 (BK is not used there); cuobjdump then gives registers per thread, stack bytes (spills
 land there), the local loads/stores of spilled values (LDL/STL) and the wgmma instructions (HGMMA). Device
 time is scarce: this shows before any GPU run whether a shape spills. Caveat: the GPU machines run an older

@@ -78,6 +78,7 @@ def parse_raw(text: str) -> list[dict]:
                     item["duration_unit"] = units[header.index(metric)]
         stalls = {m[len(STALL):].removesuffix("_per_issue_active.ratio"): _num(v) for m, v in rec.items()
                   if m.startswith(STALL) and m.endswith("_per_issue_active.ratio")}
+        stalls.pop("selected", None)  # "selected" is the cycles spent issuing, not a stall
         item["stalls"] = dict(sorted(((k, v) for k, v in stalls.items() if v is not None), key=lambda kv: -kv[1]))
         out.append(item)
     return out
@@ -123,7 +124,7 @@ def main():
     import triton
 
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--page", "raw", "--csv",
-           *(x for s in SECTIONS for x in ("--section", s))]
+           "--print-units", "base", *(x for s in SECTIONS for x in ("--section", s))]
     if a.kernels:
         cmd += ["--kernel-name", "regex:^(" + "|".join(a.kernels.split(",")) + ")$"]
     cmd += [sys.executable, os.path.abspath(__file__), "--child", "--case", a.case, "--warmup", str(a.warmup)]
@@ -138,7 +139,7 @@ def main():
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     payload = dict(case=a.case, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, date=now, command=" ".join(cmd[:-6]), kernels=parse_raw(proc.stdout))
+                   triton=triton.__version__, date=now, command=" ".join(cmd[:-7]), kernels=parse_raw(proc.stdout))
     with open(os.path.join(a.out, f"ncu_{tag}.json"), "w") as fh:
         json.dump(payload, fh, indent=1)
     md = to_markdown(payload)

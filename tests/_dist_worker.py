@@ -197,6 +197,9 @@ def _parity_cases():
                                         "--parallelism.fsdp_prefetch", "1"], 3, 2),
         ("fsdp2_units2_full_ac", [*fs2, "--parallelism.fsdp_blocks_per_unit", "2", "--activation_checkpoint.mode",
                                   "full"], 3, 1),
+        # ratio 0.5 of 3 blocks checkpoints blocks 0 and 2: one unit holds a recomputed and a plain block
+        ("fsdp2_units2_ratio_ga2", [*fs2, "--parallelism.fsdp_blocks_per_unit", "2", "--activation_checkpoint.mode",
+                                    "ratio", "--activation_checkpoint.ratio", "0.5"], 3, 2),
         ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
                                               "--parallelism.fsdp_cpu_offload"], 2, 1),
         ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1",

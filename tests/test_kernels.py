@@ -258,8 +258,8 @@ def _naive_band(q, k, v, do, kstride, koff, win, ds):
 
 def _band_split_check(device):
     """The band kernels' mask-free interior tiles (band.py SPLIT) against the all-masked loop: forward, dQ and
-    dK/dV of the compressed and the window geometry, with G = 3 (tiles of 16 rows hold 5 1/3 tokens: a token's
-    heads straddle two tiles) and with documents. Tiles of 16 keys over T = 100 give every loop masked and
+    dK/dV of the compressed and the window geometry, two KV heads of G = 3 (tiles of 16 rows hold 5 1/3 tokens:
+    a token's heads straddle two tiles) and with documents. Tiles of 16 keys over T = 100 give every loop masked and
     unmasked parts (the whole-attention cases above use tiles of 64 keys, where the interior part is mostly
     empty). The interior tiles are those whose mask is all true, so both paths must agree to the bit; any
     tolerance only covers a future reordering. Both are also held to a float64 band attention (``naive``)."""
@@ -268,7 +268,7 @@ def _band_split_check(device):
     from nsa_titan.kernels import band
 
     worst, naive = {}, 0.0
-    B, T, HQ, HKV, D = 1, 100, 3, 1, 16
+    B, T, HQ, HKV, D = 1, 100, 6, 2, 16
     doc = _doc_start([[0, 37, 70]], T).to(device=device, dtype=torch.int32)
     for name, (kstride, koff, win, ds) in {"cmp": (4, 7, 0, None), "win": (1, 0, 40, None),
                                           "win_doc": (1, 0, 40, doc), "cmp_doc": (4, 7, 0, doc)}.items():
@@ -276,14 +276,13 @@ def _band_split_check(device):
         S = T if kstride == 1 else (T - koff - 1) // kstride + 1
         q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
                        [(B, T, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, T, HQ, D)])
-        outs = []
+        outs, want = [], _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
         for split in (False, True):
             cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, split=split)
             o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
             grads = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg, doc_start=ds)
             fin = torch.isfinite(lse)
             outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
-            want = _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
             naive = max(naive, *(_rel(a.cpu().double(), b) for a, b in zip([o, *grads], want)))
         worst[name] = max(_rel(a, b) for a, b in zip(*outs))
     # The interpreter runs both loop bodies op for op: equal to the bit (1e-5 leaves room for a reordering). On

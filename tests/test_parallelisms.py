@@ -50,7 +50,7 @@ def test_fsdp2_fsdp1_ddp_match_single_process():
     results = launch("parity")
     cases = [f"{dp}_{v}" for dp in ("fsdp2", "fsdp1", "ddp") for v in ("ga1", "ga2", "ga2_sync_every", "init")]
     cases += ["fsdp2_hsdp_2x1_ga2", "fsdp2_never_reshard_prefetch1", "fsdp2_units2_prefetch1_ga2",
-              "fsdp2_units2_full_ac", "fsdp2_units2_init", "fsdp2_always_reshard_cpu_offload",
+              "fsdp2_units2_full_ac", "fsdp2_units2_ratio_ga2", "fsdp2_units2_init", "fsdp2_always_reshard_cpu_offload",
               "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph"]
     _check(results, cases)
     assert results["fsdp2_units2_init"]["units"] == [0, 0, 2]  # blocks 0 and 1 share a unit, block 2 is alone

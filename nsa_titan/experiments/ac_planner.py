@@ -191,7 +191,8 @@ class ProbeRunner:
         if hit is not None and hit.get("fake_process_group") and not fake:
             # A fake-process-group probe cached on a machine with fewer GPUs, where this one can measure the cell
             # for real: it becomes the cell's fake probe (what --check-estimate compares with), and the real
-            # row is measured below instead of reusing the estimate as if it were a measurement.
+            # row is measured below instead of reusing the estimate as if it were a measurement (past the time
+            # limit the cell is pending until then, not shown as measured).
             self.cache.setdefault(f"{key}-fake", self.cache.pop(key))
             hit = None
         if hit is not None:

@@ -144,7 +144,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
         flops = training_flops_per_token(args, tc.seq_len)
         result["mfu"] = flops * result["tokens_per_s_per_gpu"] / peak if peak else None
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        if not ran_out_of_memory(str(e)):
+        if not (isinstance(e, torch.OutOfMemoryError) or ran_out_of_memory(str(e))):
             raise
         result.update(oom=True, error=str(e).strip().splitlines()[0][:300])
     alloc, reserved = peak_memory_gib(device)

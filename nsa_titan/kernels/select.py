@@ -1,6 +1,7 @@
 """Block importance + top-n selection per (token, KV head), streamed: no [T, Tc] or [T, Nb] tensor exists.
 
-A program owns BT tokens of one (batch, KV head) with all G query heads packed as rows (as in band.py). It
+A program owns BT tokens of one (batch, KV head) with its G query heads as rows, each token's group padded to
+next_pow2(G) rows (band.py packs them exactly; here the per-token top-n wants a token's rows together). It
 walks the selection blocks in chunks of BJ blocks; for each chunk it recomputes, from q, K_cmp and the
 compressed branch's LSE, the probabilities of the CI compressed tokens that overlap those blocks
 (p = exp2(s - LSE), the compressed softmax exactly), sums them over the group's heads, and maps them to
