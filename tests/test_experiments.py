@@ -386,3 +386,20 @@ def test_ncu_attention_reads_the_raw_csv_and_sorts_the_stalls():
     assert list(rows[1]["stalls"]) == ["mio_throttle", "long_scoreboard"]  # "n/a" is left out, not zero
     assert "long_scoreboard 9.5" in mod.to_markdown(dict(case="m7c:8192:2", device="d", torch="t", triton="x",
                                                           date="now", command="ncu", kernels=rows))
+
+
+def test_fsdp_unit_overhead_table_subtracts_the_step_without_data_parallelism():
+    import importlib.util
+
+    path = common.REPO / "benchmarks" / "fsdp_unit_overhead.py"
+    spec = importlib.util.spec_from_file_location("fsdp_unit_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"k": "no dp", "step_time_s": 0.100, "tokens_per_s_per_gpu": 1000.0},
+            {"k": 1, "units": 12, "step_time_s": 0.250, "tokens_per_s_per_gpu": 400.0},
+            {"k": 4, "units": 3, "step_time_s": 0.1375, "tokens_per_s_per_gpu": 727.3},
+            {"k": 6, "units": 2, "error": "probe exit 1: boom"}]
+    md = mod.to_markdown(dict(tag="t", device="cpu", torch="2", date="now", world=2, warmup=1, steps=2,
+                              train_args=["--config", "x.toml"], rows=rows))
+    assert "| 1 | 12 | 250.0 | +150.0 | 400 |" in md and "| 4 | 3 | 137.5 | +37.5 | 727 |" in md
+    assert "| 6 | - | error: probe exit 1: boom |" in md
