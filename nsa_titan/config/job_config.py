@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from nsa_titan.config.manager import ConfigError, config_to_dict, field_docs, parse_config
 from nsa_titan.config.manager import check as _check
-from nsa_titan.config.run_sections import ActivationCheckpoint, Checkpoint, Fault, Parallelism, Profiling
+from nsa_titan.config.run_sections import ActivationCheckpoint, Checkpoint, Compile, Fault, Parallelism, Profiling
 from nsa_titan.models.nsa.args import NSAModelArgs, get_model_args
 from nsa_titan.models.nsa.args import field_types as model_field_types
 
@@ -325,34 +325,6 @@ class Metrics:
         if self.enable_wandb:
             _check(importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
                    "needs the `wandb` package: pip install wandb (or drop --metrics.enable_wandb)")
-
-
-@dataclass
-class Compile:
-    """torch.compile of the model."""
-
-    enable: bool = False
-    """Compile the model with torch.compile."""
-    fullgraph: bool = True
-    """torch.compile(fullgraph=True): fail loudly on graph breaks instead of silently running eagerly."""
-    mode: Literal["default", "reduce-overhead", "auto", "max-autotune-no-cudagraphs"] = "default"
-    """torch.compile mode of each block. 'reduce-overhead' replays every compiled block (forward and backward)
-    as a CUDA graph: the host no longer launches each kernel, which bounds small models (an m7c NSA layer
-    launches 46 kernels per forward+backward, ~2.9 ms of host time for ~3 ms of GPU time; H100: m7c 8k
-    batch 2 175k -> 247k tokens/s); one GPU only (no data parallelism), and the graphs keep their own memory
-    pool. 'auto': 'reduce-overhead' where it can run (one CUDA GPU, no data parallelism), else 'default', so
-    one config serves one GPU and many. 'max-autotune-no-cudagraphs' lets inductor tune its generated kernels
-    (much longer compile)."""
-
-    def effective_mode(self, device_type: str, data_parallel: bool) -> str:
-        """The mode the blocks compile with on this run: 'auto' resolved for the device and data parallelism."""
-        if self.mode != "auto":
-            return self.mode
-        return "reduce-overhead" if device_type == "cuda" and not data_parallel else "default"
-
-    def uses_cudagraphs(self, device_type: str, data_parallel: bool) -> bool:
-        """Whether the compiled blocks replay as CUDA graphs on this run (the trainer then marks each step)."""
-        return self.enable and self.effective_mode(device_type, data_parallel) == "reduce-overhead"
 
 
 @dataclass
