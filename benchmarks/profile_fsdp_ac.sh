@@ -6,7 +6,8 @@
 #   bash benchmarks/profile_fsdp_ac.sh OUT RUNS [CONFIG] [trainer overrides ...]
 #
 #   RUNS    comma list of <where>:<ac>[+<variant>...]: where = 1gpu | fsdp2 (2 GPUs); ac = none | full | ratio0.5 |
-#           selective_op; variants: prefetch2 (fsdp_prefetch 2), reshard_never, compile, bs2 (local batch 2).
+#           selective_op; variants: prefetch2 (fsdp_prefetch 2), reshard_never, compile, bs2 (local batch 2),
+#           units<k> (fsdp_blocks_per_unit k, e.g. units4).
 #           e.g. 1gpu:none,1gpu:full,fsdp2:none,fsdp2:full
 #   CONFIG  default train_configs/nsa_1b.toml (seq 8192, local batch 1)
 #
@@ -45,6 +46,7 @@ for run in "${runs[@]}"; do
       reshard_never) flags+=(--parallelism.fsdp_reshard_after_forward never) ;;
       compile) flags+=(--compile.enable) ;;
       bs2) flags+=(--training.local_batch_size 2) ;;
+      units[0-9]*) flags+=(--parallelism.fsdp_blocks_per_unit "${v#units}") ;;
       *) echo "unknown variant $v in $run" >&2; exit 2 ;;
     esac
   done
