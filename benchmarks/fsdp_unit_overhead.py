@@ -81,14 +81,10 @@ def main():
     payload = dict(tag=a.tag, device=first.get("device"), torch=first.get("torch"), world=a.world, warmup=a.warmup,
                    steps=a.steps, train_args=train_args, rows=rows,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"fsdp_unit_overhead_{a.tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    md = to_markdown(payload)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    sys.path.insert(0, HERE)
+    from attention_checks import write_results  # the benchmarks' one JSON + markdown writer
+
+    write_results(a.out, f"fsdp_unit_overhead_{a.tag}", payload, to_markdown(payload))
 
 
 def _n_layers(train_args: list[str]) -> int:
