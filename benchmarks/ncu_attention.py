@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import os
 import shutil
 import subprocess
@@ -120,9 +119,6 @@ def main():
     ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
     if ncu is None:
         raise SystemExit("ncu (Nsight Compute) is not on PATH: run this on a GPU machine that has it")
-    import torch
-    import triton
-
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--page", "raw", "--csv",
            "--print-units", "base", *(x for s in SECTIONS for x in ("--section", s))]
     if a.kernels:
@@ -135,17 +131,11 @@ def main():
         fh.write(proc.stdout)
     if proc.returncode != 0 or "Kernel Name" not in proc.stdout:
         raise SystemExit(f"ncu failed (rc {proc.returncode}); its output is in ncu_{tag}.csv:\n{proc.stderr[-2000:]}")
-    import datetime
+    sys.path.insert(0, HERE)
+    from attention_checks import run_header, write_results  # the benchmarks' common header and writer
 
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    payload = dict(case=a.case, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, date=now, command=" ".join(cmd[:-7]), kernels=parse_raw(proc.stdout))
-    with open(os.path.join(a.out, f"ncu_{tag}.json"), "w") as fh:
-        json.dump(payload, fh, indent=1)
-    md = to_markdown(payload)
-    with open(os.path.join(a.out, f"ncu_{tag}.md"), "w") as fh:
-        fh.write(md)
-    print(md)
+    payload = dict(case=a.case, **run_header(), command=" ".join(cmd[:-7]), kernels=parse_raw(proc.stdout))
+    write_results(a.out, f"ncu_{tag}", payload, to_markdown(payload))
 
 
 if __name__ == "__main__":
