@@ -8,6 +8,7 @@ communication overlaps the neighbouring units' compute.
 
 from __future__ import annotations
 
+import itertools
 from types import MappingProxyType
 from typing import Any
 
@@ -112,19 +113,15 @@ def group_blocks(units: list, blocks: list[nn.Module], per_unit: int) -> list:
     if per_unit == 1:
         return list(units)
     ids = {id(b) for b in blocks}
-    out, run = [], []
-    for unit, init in units:
-        if not isinstance(unit, list) and id(unit) in ids:
-            run.append((unit, init))
-            if len(run) < per_unit:
-                continue
-        if run:
-            out.append(([m for m, _ in run], _InitEach([f for _, f in run])))
-            run = []
-        if isinstance(unit, list) or id(unit) not in ids:
-            out.append((unit, init))
-    if run:
-        out.append(([m for m, _ in run], _InitEach([f for _, f in run])))
+    out = []
+    for is_block, run in itertools.groupby(units, key=lambda u: not isinstance(u[0], list) and id(u[0]) in ids):
+        run = list(run)
+        if not is_block:
+            out += run
+            continue
+        for i in range(0, len(run), per_unit):
+            chunk = run[i:i + per_unit]
+            out.append(([m for m, _ in chunk], _InitEach([f for _, f in chunk])))
     return out
 
 
