@@ -4,9 +4,9 @@ for an H100 (sm_90).
     python benchmarks/kernel_resources.py [--out DIR]          # no GPU needed: the CPU machine will do
 
 Every launch shape of the band kernels that band.py can pick for the 1b (head dim 128, G 16) and m7c (64, G 6)
-attention shapes (band rows are packed (token, head) pairs; the selected dK/dV pads each group to
-next_pow2(G)) is compiled with this machine's Triton for sm_90 (its bundled ptxas), with and without the
-mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
+attention shapes (band rows are packed (token, head) pairs; the selected dK/dV packs them exactly at head dim 64
+and pads each group to next_pow2(G) rows at 128) is compiled with this machine's Triton for sm_90 (its bundled
+ptxas), with and without the mask-free interior (``SPLIT``), and the selected dK/dV at 128 rows / 8 warps and 64 / 4
 (BK is not used there); cuobjdump then gives registers per thread, stack bytes (spills
 land there), the local loads/stores of spilled values (LDL/STL) and the wgmma instructions (HGMMA). Device
 time is scarce: this shows before any GPU run whether a shape spills. Caveat: the GPU machines run an older
@@ -79,8 +79,9 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
     dQ partials stored instead)."""
     if kernel == "sel_dkdv":
         fn, pointers = selected._sel_bwd_dkdv, SEL_POINTERS
-        gp = band.pow2(G)
-        consts = dict(LP=64, BS=64, NSEL=16, BT=max(1, cfg["rows"] // gp), GP=gp, DK=D, DV=D, DKP=D, DVP=D,
+        rows = max(cfg["rows"], band.pow2(G))
+        gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
+        consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,
                       STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False)
     else:
         kstride, koff, win = GEOMETRY[geo]

@@ -162,9 +162,9 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 @triton.jit
 def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                  T, NB, G, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
-                  NSEL: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
+                  T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                  NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
                   STORE_DQ: tl.constexpr, DOC: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
@@ -172,7 +172,9 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP].
     STORE_DQ: also store every pair's dQ over this block, dS K (unscaled), to DQP [B, T, HKV, n, G, DK], which
     selected_blocks._sel_dq_sum adds up per token: the K block is already in registers here, so dQ needs no
-    second pass reading K through L2 (the dS path's dQ kernel)."""
+    second pass reading K through L2 (the dS path's dQ kernel).
+    Each step takes BT pairs as ROWS >= BT * GS rows (row r: pair r // GS, head r % GS, rows with head >= G
+    unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -191,29 +193,32 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                 mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
     v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
                 mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-    r = tl.arange(0, BT * GP)
-    g = r % GP
+    r = tl.arange(0, ROWS)
+    g = r % GS
     h = kv * G + g
+    r_ok = (r < BT * GS) & (g < G)
     acc_k = tl.zeros([BS, DKP], tl.float32)
     acc_v = tl.zeros([BS, DVP], tl.float32)
     key_base = KEYS + pid_bh.to(tl.int64) * (T * NSEL)
     for e0 in range(lo, hi, BT):
-        e = e0 + r // GP
-        row_ok = (e < hi) & (g < G)
-        key = tl.load(key_base + e, mask=e < hi, other=0)  # blk * T*n + t*n + slot
+        e = e0 + r // GS
+        row_ok = (e < hi) & r_ok
+        key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
         t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
-        t = tl.where(e < hi, t, 0)
+        t = tl.where(row_ok, t, 0)
         q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                     mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
         row = (b * T + t) * (HKV * G) + h
         do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
         lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        vis = (s_pos[None, :] <= t[:, None]) & kmask[None, :] & row_ok[:, None]
+        s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
+        # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T
+        # and the block); invalid rows have lse = +inf, so their p is 0 without a mask of their own.
+        vis = sj[None, :] <= tl.minimum(t - blk * LP, LP - 1)[:, None]
         if DOC:
             vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
-        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
+        p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None], float("-inf")))  # masked before exp2: no overflow
         acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = (p * (dp - delta[:, None])).to(q.dtype)
@@ -297,6 +302,12 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
             # (sweep_selected_blocks_*): m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k
             # 2.14 -> 1.88, 32k 8.74 -> 7.22; it loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1.
             c.update(algo="blocks", rows=128)
+    if kernel == "sel_dkdv":
+        # Rows per pair: exactly G (no padded heads) where it costs no spills. sm_90 offline compile
+        # (kernel_resources.py): m7c (head dim 64) 254 registers, no spills either way; qwen7b (G 7, head dim
+        # 128) 65/69 spilled loads/stores with stride 7 against 11/15 with stride 8, and on an H100 the exact
+        # stride made its whole attention 3.8 % slower (ab_attention_sel_packing_*).
+        c.update(exact_rows=dmax <= 64)
     if kernel == "sel_dq":
         per_value = q.shape[0] * q.shape[1] * q.shape[2] * n  # (token, head, slot) triples
         if per_value * lp * q.element_size() <= DS_BUDGET:
@@ -372,9 +383,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
     # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).
     nb = -(-T // slc_block)
-    gp = pow2(G)
     lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
-    bt = max(1, lc["rows"] // gp)
+    rows = max(lc["rows"], pow2(G))
+    gs = G if lc.get("exact_rows", True) else pow2(G)
+    bt = rows // gs  # pairs per step, each one's heads as gs rows
     ch = bt * _chunk_tiles(B * HKV * T * n, bt, q.device, lc)
     keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
     # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
@@ -392,7 +404,7 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
     _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, GP=gp, **c, STORE_DS=algo == "ds",
+        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
         STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
         num_stages=lc["num_stages"])
     _sel_bwd_reduce[(nb, B * HKV)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, DK=DK, DV=DV,

@@ -40,26 +40,28 @@ def slot_row(b, t, kv, slot, g, T, HKV, G, NSEL: tl.constexpr):
 
 @triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                    T, NB, G, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
-                    BT: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
+                    NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
+    """One program: one K/V block and BT of its (token, slot) pairs, packed exactly as ROWS >= BT * G matrix rows
+    (row r: pair r // G, head r % G; G a constexpr, so no group is padded to a power of two)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    r = tl.arange(0, BT * GP)
+    r = tl.arange(0, ROWS)
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
     live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs
     blk = tl.minimum(blk, NB - 1)
     seg = OFF + pid_bh.to(tl.int64) * (NB + 1) + blk
     lo = tl.load(seg)
     hi = lo + (tl.load(seg + 1) - lo) * live  # integer scalars only (the interpreter mis-types bool scalars)
-    e = lo + (pid - tl.load(COFF + pid_bh.to(tl.int64) * (NB + 1) + blk)) * BT + r // GP
-    g = r % GP
-    pair_ok = e < hi
-    row_ok = pair_ok & (g < G)
-    key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=pair_ok, other=0)
+    e0 = lo + (pid - tl.load(COFF + pid_bh.to(tl.int64) * (NB + 1) + blk)) * BT
+    e = e0 + r // G
+    g = r % G
+    row_ok = (e < hi) & (r < BT * G)
+    key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=row_ok, other=0)
     tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
     slot = key - tq * NSEL
-    t = tl.where(pair_ok, tq - blk * T, 0)
+    t = tl.where(row_ok, tq - blk * T, 0)
     h = kv * G + g
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
@@ -70,13 +72,15 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
                 mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
     v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
                 mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    vis = (s_pos[None, :] <= t[:, None]) & kmask[None, :] & row_ok[:, None]
+    s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
+    # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T and
+    # the block). Invalid rows have q = 0: finite scores, never stored.
+    vis = sj[None, :] <= tl.minimum(t - blk * LP, LP - 1)[:, None]
     if DOC:  # keys before the token's document are masked
         vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
     s = tl.where(vis, s, float("-inf"))
-    m = tl.maximum(tl.max(s, 1), -1e30)  # a row with no visible key keeps m finite: p = 0, l = 0
-    p = tl.exp2(s - m[:, None])
+    m = tl.maximum(tl.max(s, 1), -1e30) * qk_scale  # a row with no visible key keeps m finite: p = 0, l = 0
+    p = tl.exp2(s * qk_scale - m[:, None])
     l = tl.sum(p, 1)
     ok = l > 0
     o = tl.dot(p.to(v.dtype), v) / tl.where(ok, l, 1.0)[:, None]
@@ -294,8 +298,8 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     G, n = HQ // HKV, block_idx.shape[-1]
-    gp = pow2(G)
-    bt = max(1, lc["rows"] // gp)
+    rows = max(lc["rows"], pow2(G))
+    bt = rows // G  # pairs per program: their G heads each are packed rows, the last rows - bt * G unused
     nb = -(-T // slc_block)
     keys, off, coff, _, prog = block_pairs(block_idx, nb, bt)
     op = q.new_empty(B, T, HKV, n, G, DV)  # every used slot is written; unused ones are masked in the merge
@@ -303,9 +307,11 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     _sel_fwd_blocks[(prog.shape[1], B * HKV)](
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
-        BT=bt, GP=gp, **consts, DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        BT=bt, ROWS=rows, **consts, DOC=doc_start is not None,
+        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    gp = pow2(G)
     mt = _slot_tokens(gp, n, DV)
     _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, NP=pow2(n), BT=mt, GP=gp,
                                               DV=DV, DVP=consts["DVP"], num_warps=4)
