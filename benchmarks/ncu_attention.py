@@ -33,7 +33,10 @@ COLUMNS = {
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "memory_pct",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed": "tensor_pct",
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed": "alu_pct",
+    "inst_executed": "instructions",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy_pct",
     "launch__registers_per_thread": "registers",
     "launch__grid_size": "grid",
@@ -94,13 +97,15 @@ def to_markdown(payload: dict) -> str:
     lines = [f"# Nsight Compute: NSA attention {payload['case']} fwd+bwd ({payload['device']})", "",
              f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; `{payload['command']}`.",
              "Stalls: cycles per issued instruction by reason (ncu's warp state statistics), largest first.", "",
-             "| kernel | duration | SM % | memory % | L2 % | DRAM % | occupancy % | regs | top stalls |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | duration | SM % | tensor % | ALU % | memory % | L2 % | DRAM % | occupancy % | regs "
+             "| top stalls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
     for k in payload["kernels"]:
         top = ", ".join(f"{r} {v:.1f}" for r, v in list(k["stalls"].items())[:4])
         lines.append(f"| `{k['kernel'][:60]}` | {f(k.get('duration'))} {k.get('duration_unit', '')} | "
-                     f"{f(k.get('sm_pct'))} | {f(k.get('memory_pct'))} | {f(k.get('l2_pct'))} | "
+                     f"{f(k.get('sm_pct'))} | {f(k.get('tensor_pct'))} | {f(k.get('alu_pct'))} | "
+                     f"{f(k.get('memory_pct'))} | {f(k.get('l2_pct'))} | "
                      f"{f(k.get('dram_pct'))} | {f(k.get('occupancy_pct'))} | {f(k.get('registers'))} | {top} |")
     return "\n".join(lines) + "\n"
 
@@ -131,7 +136,7 @@ def main():
         fh.write(proc.stdout)
     if proc.returncode != 0 or "Kernel Name" not in proc.stdout:
         raise SystemExit(f"ncu failed (rc {proc.returncode}); its output is in ncu_{tag}.csv:\n{proc.stderr[-2000:]}")
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [HERE, os.path.dirname(HERE)]  # attention_checks imports nsa_titan from this checkout
     from attention_checks import run_header, write_results  # the benchmarks' common header and writer
 
     payload = dict(case=a.case, **run_header(), command=" ".join(cmd[:-7]), kernels=parse_raw(proc.stdout))
