@@ -403,3 +403,33 @@ def test_fsdp_unit_overhead_table_subtracts_the_step_without_data_parallelism():
                               train_args=["--config", "x.toml"], rows=rows))
     assert "| 1 | 12 | 250.0 | +150.0 | 400 |" in md and "| 4 | 3 | 137.5 | +37.5 | 727 |" in md
     assert "| 6 | - | error: probe exit 1: boom |" in md
+
+
+def test_dp_rounds_keep_the_median_run_and_report_the_spread():
+    slow, mid, fast = fake_row(1, "none", "none", 800.0), fake_row(1, "none", "none", 1000.0), \
+        fake_row(1, "none", "none", 1100.0)
+    row = dp_compare.merge_rounds([fast, {**slow, "step_time_s": 8192 / 800.0}, mid])
+    assert row["tokens_per_s_per_gpu"] == 1000.0 and row["step_time_s"] == mid["step_time_s"]  # one real run
+    assert row["rounds_tokens_per_s_per_gpu"] == [1100.0, 800.0, 1000.0] and row["round_spread"] == pytest.approx(0.3)
+    # an even count takes the lower middle round; failed rounds are left out but counted
+    two = dp_compare.merge_rounds([fast, {"run": "x", "gpus": 1, "error": "exit 1"}, slow])
+    assert two["tokens_per_s_per_gpu"] == 800.0 and two["rounds_failed"] == 1
+    only_errors = [{"run": "x", "gpus": 1, "error": "out of memory"}, {"run": "x_r2", "gpus": 1, "error": "exit 1"}]
+    assert dp_compare.merge_rounds(only_errors)["error"] == "out of memory"
+    assert [dp_compare.round_name("ac-none_1gpu", k) for k in (1, 2)] == ["ac-none_1gpu", "ac-none_1gpu_r2"]
+
+
+def test_dp_compare_interleaves_rounds(tmp_path, monkeypatch):
+    """--rounds 2: every cell once, then every cell again (not cell by cell), and one merged row per cell."""
+    seen = []
+
+    def fake_run(self, name, gpus, args, fields):
+        seen.append(name)
+        return fake_row(gpus, fields["data_parallel"], fields["ac"], 1000.0 + len(seen))
+
+    monkeypatch.setattr(common.Runner, "run", fake_run)
+    result = dp_compare.main(["--config", "train_configs/debug_model.toml", "--cpu", "--gpus", "1", "--ac",
+                              "none,full", "--rounds", "2", "--out", str(tmp_path)])
+    assert seen == ["ac-none_1gpu", "ac-full_1gpu", "ac-none_1gpu_r2", "ac-full_1gpu_r2"]
+    assert [r["rounds_tokens_per_s_per_gpu"] for r in result["rows"]] == [[1001.0, 1003.0], [1002.0, 1004.0]]
+    assert "2 rounds per cell" in (tmp_path / "dp_compare_dp.md").read_text()

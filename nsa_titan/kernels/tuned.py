@@ -8,7 +8,8 @@ its winners here for the rest of its process.
 from __future__ import annotations
 
 # Values: rows (MMA rows per tile: band.py and the selected block forward pack (token, head) pairs exactly, the
-# selected dK/dV too at head dim <= 64 (selected._cfg exact_rows); select.py pads each token's group to next_pow2(G)), BK (keys per tile), num_warps, num_stages.
+# selected dK/dV too at head dim <= 64 (selected._cfg exact_rows); select.py pads each token's group to
+# next_pow2(G)), BK (keys per tile), num_warps, num_stages.
 # ``split`` False: every tile masked (the mask-free interior lost there). H100 figures below are the whole band
 # backward, 8k / 32k, batch 1, before -> after (benchmarks/results/sweep_band_*.json).
 TUNED: dict[tuple, dict] = {
