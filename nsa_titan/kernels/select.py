@@ -59,6 +59,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         j_lo = tl.min(tl.where(tt < T, first, NB))  # blocks before every token's document: no candidate
     col = tl.arange(0, W)  # the chunk's block columns (j0 + col), and the running top's columns
     ci = tl.arange(0, CI)
+    ci_cd = ci * CD
     # Running top keys, W >= n columns sorted descending; -1 = empty (decodes to the unused index -1).
     best = tl.full([BT, W], -1, tl.int64)
     nb_tile = tl.minimum((tl.minimum(pid_m * BT + BT, T) - 1) // LP + 1, NB)  # later blocks: no candidate
@@ -68,11 +69,16 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         imask = (i >= 0) & (i < TC)
         kc = tl.load(KC + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
                      mask=imask[:, None] & (dk[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(kc)) * qk_scale
-        vis = (i[None, :] * CD + CL - 1 <= t[:, None]) & imask[None, :] & row_ok[:, None]
+        s = tl.dot(q, tl.trans(kc))  # unscaled: the scale goes into exp2's argument (one FMA per score)
+        # One compare per score (the kernel is ALU-bound): token t sees compressed token i iff
+        # i*CD + CL - 1 <= t, i.e. ci*CD <= t - CL + 1 - (j0*R - LD + 1)*CD; t < T keeps i < TC as well. Columns
+        # before compressed token 0 (first chunk only) get -inf through a column bias, and padding rows have
+        # lse = +inf, so their p is 0 without a mask of their own.
+        vis = ci_cd[None, :] <= (t - CL + 1 - (j0 * R - (LD - 1)) * CD)[:, None]
         if DOC:
             vis = vis & (i[None, :] * CD >= ds_row[:, None])
-        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))  # masked before exp2: no overflow
+        before_first = tl.where(i >= 0, 0.0, float("-inf"))
+        p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None] + before_first[None, :], float("-inf")))
         pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
         j = j0 + col
         lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
