@@ -61,7 +61,11 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
     "select": [dict(rows=128, CI=64, num_warps=4, num_stages=3), dict(rows=64, CI=64, num_warps=4, num_stages=3),
                dict(rows=256, CI=64, num_warps=8, num_stages=3), dict(rows=128, CI=32, num_warps=4, num_stages=3),
                dict(rows=128, CI=128, num_warps=4, num_stages=3), dict(rows=128, CI=64, num_warps=8, num_stages=3),
-               dict(rows=128, CI=64, num_warps=4, num_stages=1), dict(rows=64, CI=128, num_warps=4, num_stages=2)],
+               dict(rows=128, CI=64, num_warps=4, num_stages=1), dict(rows=64, CI=128, num_warps=4, num_stages=2),
+               # the chunk's keys sorted, then one bitonic merge with the sorted running top (select.py merge)
+               dict(rows=128, CI=64, num_warps=4, num_stages=1, merge="sorted"),
+               dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="sorted"),
+               dict(rows=128, CI=128, num_warps=4, num_stages=1, merge="sorted")],
 }
 
 

@@ -178,6 +178,30 @@ def _blocks_fwd_check(device):
             "worst": worst}
 
 
+def _select_merge_check(device):
+    """The selection's two ways of merging a chunk into the running top-n (select.py cfg merge: tl.topk of both,
+    or sort the chunk's keys and one bitonic merge with the sorted top) give the same indices, every case."""
+    import torch
+
+    from nsa_titan.kernels import band, select
+    from nsa_titan.models.nsa.common import NSAParams
+
+    same = {}
+    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
+        p, dtype = NSAParams(*geo), getattr(torch, dt)
+        doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
+        gen = torch.Generator().manual_seed(3)
+        q, kc = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
+                 [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK)])
+        if kc.shape[1] == 0:
+            continue
+        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
+        idx = [select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                    cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted")]
+        same[name] = bool(torch.equal(*idx))
+    return {"ok": len(same) == len(CASES) + len(DOC_CASES) - 1 and all(same.values()), "same": same}
+
+
 def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
@@ -336,6 +360,7 @@ def main(device: str) -> None:
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
     for name, check in (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
                         ("sel_blocks", _blocks_fwd_check), ("sel_bwd_paths", _sel_bwd_paths_check),
+                        ("select_merge", _select_merge_check),
                         ("pair_table", _pair_table_check),
                         ("band_split", _band_split_check), ("decode_fused", _decode_fused_check)):
         try:
@@ -364,7 +389,8 @@ def verdicts():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES] + ["compile_fullgraph", "no_aux_grads",
-                                                                       "sel_blocks", "sel_bwd_paths", "pair_table",
+                                                                       "sel_blocks", "sel_bwd_paths", "select_merge",
+                                                                       "pair_table",
                                                                        "band_split",
                                                                        "decode_fused"])
 def test_kernel_case(verdicts, name):

@@ -36,7 +36,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
                    CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
                    NSEL: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
                    CI: tl.constexpr, BJ: tl.constexpr, DK: tl.constexpr,
-                   DKP: tl.constexpr, DOC: tl.constexpr):
+                   DKP: tl.constexpr, DOC: tl.constexpr, SORTED_MERGE: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
@@ -97,7 +97,13 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         # but for the -1 of non-candidates), skipped when no key of the tile beats its row's n-th best.
         kth = tl.min(tl.where(col[None, :] < NSEL, best, 2**62), 1)
         if tl.max(tl.sum((key > kth[:, None]).to(tl.int32), 1)) > 0:
-            best = tl.topk(tl.reshape(tl.join(best, key), [BT, 2 * W]), W)
+            if SORTED_MERGE:
+                # best is sorted descending already: sort only the chunk's keys ascending; the elementwise max
+                # of the two holds exactly the W largest of both and is bitonic, so one bitonic merge sorts it
+                # (~240 compare-swaps per row of 32 keys against tl.topk's ~400, which re-sorts best too).
+                best = tl.bitonic_merge(tl.maximum(best, tl.sort(key, dim=1)), dim=1, descending=True)
+            else:
+                best = tl.topk(tl.reshape(tl.join(best, key), [BT, 2 * W]), W)
     idx = tl.where(best >= 0, 2147483647 - (best & 0xFFFFFFFF), -1)
     tl.store(IDX + ((b * HKV + kv) * T + tt[:, None]) * NSEL + col[None, :], idx,
              mask=(tt[:, None] < T) & (col[None, :] < NSEL))
@@ -117,9 +123,14 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     R, LD = slc_block // cmp_stride, cmp_block // cmp_stride
     gp = pow2(G)
     cuda = q.device.type == "cuda"
-    lc = dict(rows=128 if cuda else 64, CI=64 if DK <= 128 else 32, num_warps=4, num_stages=3 if cuda else 1)
+    # merge: how a chunk's keys join the running top: "topk" (tl.topk of both, 2W keys) or "sorted" (sort the
+    # chunk's W keys, one bitonic merge with the already sorted top; fewer compare-swaps, not yet timed on a GPU).
+    lc = dict(rows=128 if cuda else 64, CI=64 if DK <= 128 else 32, num_warps=4, num_stages=3 if cuda else 1,
+              merge="topk")
     lc.update(TUNED.get(("select", gp, DK, False), {}) if cuda else {})
     lc.update(cfg or {})
+    if lc["merge"] not in ("topk", "sorted"):
+        raise ValueError(f"select cfg merge={lc['merge']!r}: use 'topk' or 'sorted'")
     bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
@@ -127,5 +138,6 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
         q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T, TC,
         nb, G, HKV, DK**-0.5 * LOG2E, CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n,
         W=max(pow2(top_n), pow2(bj)), BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)),
-        DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        DOC=doc_start is not None, SORTED_MERGE=lc.get("merge", "topk") == "sorted", num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     return idx
