@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_titan.kernels import band, nsa_attention, select, selected  # noqa: E402
+from nsa_titan.kernels import band, nsa_attention, select, selected, selected_bwd  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +184,7 @@ def breakdown(cfg, T):
         "select": lambda: select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
         "slc_fwd": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block),
         "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(NPI=1)),
-        "slc_bwd": lambda: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
+        "slc_bwd": lambda: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
         "win_fwd": lambda: band.band_fwd(q, kw, vw, *win_geo),
         "win_bwd": lambda: band.band_bwd(do, q, kw, vw, o_w, lse_w, *win_geo),
     }
@@ -245,8 +245,8 @@ def sweep(cfg, T):
                  ("band_dkdv", win, lambda c, g=geo, a=(k_, v_, o_, l_):
                   band.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dkdv=c))]
     jobs += [("sel_fwd", False, lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)),
-             ("sel_dq", False, lambda c: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block, cfg_dq=c)),
-             ("sel_dkdv", False, lambda c: selected.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block,
+             ("sel_dq", False, lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block, cfg_dq=c)),
+             ("sel_dkdv", False, lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block,
                                                             cfg_dkdv=c)),
              ("select", False, lambda c: (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride,
                                                                p.slc_block, p.slc_top_n, cfg=c),))]

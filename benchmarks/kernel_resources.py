@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa_titan.kernels import band, selected  # noqa: E402
+from nsa_titan.kernels import band, selected_bwd  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
@@ -78,7 +78,7 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
     """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored; "sel_dqp":
     dQ partials stored instead)."""
     if kernel == "sel_dkdv":
-        fn, pointers = selected._sel_bwd_dkdv, SEL_POINTERS
+        fn, pointers = selected_bwd._sel_bwd_dkdv, SEL_POINTERS
         rows = max(cfg["rows"], band.pow2(G))
         gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
         consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,

@@ -24,7 +24,7 @@ from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
-from nsa_titan.kernels import band, select, selected  # noqa: E402
+from nsa_titan.kernels import band, select, selected, selected_bwd  # noqa: E402
 
 
 def _v(NPI=2, w=4, st=2):
@@ -81,8 +81,8 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
     G = HQ // HKV
     jobs = {
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
-        "sel_dq": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
-        "sel_dkdv": lambda c: selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
+        "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
+        "sel_dkdv": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
         "select": lambda c: (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
                                                   p.slc_top_n, cfg=c),),
     }

@@ -211,7 +211,7 @@ def _sel_bwd_paths_check(device):
     tiles per chunk)."""
     import torch
 
-    from nsa_titan.kernels import band, select, selected
+    from nsa_titan.kernels import band, select, selected, selected_bwd
     from nsa_titan.models.nsa.common import NSAParams
 
     worst = {}
@@ -232,7 +232,7 @@ def _sel_bwd_paths_check(device):
         idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, doc_start=doc)
         o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
                                         doc_start=doc, with_pairs=True)
-        outs = [selected.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=a, cfg_dkdv=b, doc_start=doc,
+        outs = [selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=a, cfg_dkdv=b, doc_start=doc,
                                  keys=keys if reuse else None) for a, b, reuse in variants]
         worst[name] = max(_rel(x, y) for other in outs[1:] for x, y in zip(other, outs[0]))
     # fp16 inputs: the fp16 dQ partials round once more than the other paths (1e-3 relative is 2 fp16 ulps).

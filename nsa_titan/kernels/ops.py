@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from nsa_titan.kernels import band, combine, select, selected
+from nsa_titan.kernels import band, combine, select, selected, selected_bwd
 from nsa_titan.kernels.selected_blocks import pair_key_dtype
 
 
@@ -86,7 +86,7 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
-    dq, dk_slc, dv_slc = selected.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, block_idx.contiguous(),
+    dq, dk_slc, dv_slc = selected_bwd.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, block_idx.contiguous(),
                                           slc_block, delta=delta[1], doc_start=doc_start,
                                           keys=pair_keys if pair_keys.numel() else None)
     _, dk_win, dv_win = band.band_bwd(do_win, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],

@@ -1,22 +1,10 @@
-"""Selected-block attention in Triton, group-centric (the paper's kernel shape).
+"""Selected-block attention in Triton, group-centric (the paper's kernel shape): the forward, and the launch
+configuration of every selected kernel (``_cfg``); the backward is in selected_bwd.py.
 
-Forward and dQ: one program per (token, batch, KV head) holds all G query heads of the group as the rows of
-one tile (padded to >= 16 for the MMA) and walks that token's n selected blocks; each K/V block is loaded
-once for the whole group. Keys s > t are masked, which only bites in the token's own block.
-
-dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted by block
-(selected_blocks.block_pairs: one key kernel, one torch.sort, one table kernel; static shapes, no host sync;
-the block-centric forward's sorted keys are reused when it ran), which gives for every block the
-ascending list of tokens that selected it. Every list is cut into chunks of at most CH pairs and one program
-takes one chunk (a static-size chunk table; spare programs exit). A block with one chunk writes its dK/dV rows
-directly; the chunks of a longer list (block 0 is chosen by every token, early blocks by ~3x the average) write
-fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus a fixed sum: deterministic, and
-no single program serialises a popular block's list.
-
-Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
-
-dQ, three ways: recomputed per token (above), dS K from the dS the dK/dV walk stores, or (small groups at head
-dim <= l') the sum of per-(token, slot) partials dS K that the dK/dV walk computes with the K block it holds.
+Forward: one program per (token, batch, KV head) holds all G query heads of the group as the rows of one tile
+(padded to >= 16 for the MMA) and walks that token's n selected blocks; each K/V block is loaded once for the
+whole group. Keys s > t are masked, which only bites in the token's own block. Document masking (DOC, DS =
+doc_start [B, T] int32): keys before the token's document are masked.
 
 For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py).
 """
@@ -27,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, sm_count
-from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected_blocks import block_pairs, sel_dq_sum, sel_fwd_blocks, slot_row
+from nsa_titan.kernels.band import LOG2E
+from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.selected_blocks import sel_fwd_blocks
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -77,198 +65,6 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
              mask=row_ok[:, None] & (dv[None, :] < DV))
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
-
-
-@triton.jit
-def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.constexpr):
-    """One token's dQ rows (fp32, scaled) into DQ [B, T, HQ, Dk]; ACC: added to what another branch stored."""
-    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
-    if ACC:
-        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
-
-
-@triton.jit
-def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
-                NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
-    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    dq = tl.zeros([GR, DKP], tl.float32)
-    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
-    s_min = 0  # keys before the token's document are masked (unused slots, block -1, are below 0)
-    if DOC:
-        s_min = tl.load(DS + b * T + t)
-    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, NSEL, NPI):
-        slot = n0 + c // BS
-        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
-        s_pos = blk * LP + c % BS
-        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
-        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
-
-
-@triton.jit
-def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
-                   NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                   ACC: tl.constexpr):
-    """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
-    block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
-    ACC flag as _sel_bwd_dq."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
-    dk = tl.arange(0, DKP)
-    dq = tl.zeros([GR, DKP], tl.float32)
-    pair0 = ((b * HKV + kv) * T + t) * NSEL
-    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, NSEL, NPI):
-        slot = n0 + c // BS
-        blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
-        s_pos = blk * LP + c % BS
-        # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
-        kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
-        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
-                     mask=row_ok[:, None] & kmask[None, :], other=0.0)
-        dq += tl.dot(ds, k)
-    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
-
-
-@triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
-                  sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                  T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
-                  NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
-                  DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr):
-    """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
-    selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
-    fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
-    STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP].
-    STORE_DQ: also store every pair's dQ over this block, dS K (unscaled), to DQP [B, T, HKV, n, G, DK], which
-    selected_blocks._sel_dq_sum adds up per token: the K block is already in registers here, so dQ needs no
-    second pass reading K through L2 (the dS path's dQ kernel).
-    Each step takes BT pairs as ROWS >= BT * GS rows (row r: pair r // GS, head r % GS, rows with head >= G
-    unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
-    live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs, no stores
-    blk = tl.minimum(blk, NB - 1)
-    tab = pid_bh.to(tl.int64) * (NB + 1) + blk
-    c0 = tl.load(COFF + tab)
-    nch = tl.load(COFF + tab + 1) - c0
-    lo = tl.load(OFF + tab) + (pid - c0) * CH
-    hi = tl.minimum(lo + CH, tl.load(OFF + tab + 1))
-    hi = lo + (hi - lo) * live  # integer scalars only (the interpreter mis-types bool scalars)
-    dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
-    s_pos = blk * LP + sj
-    kmask = (sj < LP) & (s_pos < T)
-    k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-    r = tl.arange(0, ROWS)
-    g = r % GS
-    h = kv * G + g
-    r_ok = (r < BT * GS) & (g < G)
-    acc_k = tl.zeros([BS, DKP], tl.float32)
-    acc_v = tl.zeros([BS, DVP], tl.float32)
-    key_base = KEYS + pid_bh.to(tl.int64) * (T * NSEL)
-    for e0 in range(lo, hi, BT):
-        e = e0 + r // GS
-        row_ok = (e < hi) & r_ok
-        key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
-        t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
-        t = tl.where(row_ok, t, 0)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
-                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        row = (b * T + t) * (HKV * G) + h
-        do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
-        # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T
-        # and the block); invalid rows have lse = +inf, so their p is 0 without a mask of their own.
-        vis = sj[None, :] <= tl.minimum(t - blk * LP, LP - 1)[:, None]
-        if DOC:
-            vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
-        p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None], float("-inf")))  # masked before exp2: no overflow
-        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        acc_k += tl.dot(tl.trans(ds), q)
-        slot = key - (key // NSEL) * NSEL  # only the stores below read it
-        if STORE_DS:
-            d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
-            tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
-        if STORE_DQ:
-            q_row = slot_row(b, t, kv, slot, g, T, HKV, G, NSEL)
-            tl.store(DQP + q_row[:, None] * DK + dk[None, :], tl.dot(ds, k).to(DQP.dtype.element_ty),
-                     mask=row_ok[:, None] & (dk[None, :] < DK))
-    acc_k = acc_k * sm_scale
-    # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
-    alive = (sj * 0 + live) > 0
-    whole = alive & ((sj * 0 + nch) == 1)
-    smask = (kmask & whole)[:, None]
-    out_row = ((b * T + s_pos[:, None]) * HKV + kv)
-    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty), mask=smask & (dk[None, :] < DK))
-    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty), mask=smask & (dv[None, :] < DV))
-    pmask = (alive & ~whole)[:, None]
-    p_row = (pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab) + pid - c0) * BS + sj[:, None]
-    tl.store(PK + p_row * DKP + dk[None, :], acc_k, mask=pmask & (dk[None, :] < DK))
-    tl.store(PV + p_row * DVP + dv[None, :], acc_v, mask=pmask & (dv[None, :] < DV))
-
-
-@triton.jit
-def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.constexpr, BS: tl.constexpr,
-                    DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
-    """dK/dV of every block not written by _sel_bwd_dkdv: the sum of its chunks' partials in chunk order
-    (deterministic), or zeros for a block that no token selected."""
-    blk, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    tab = pid_bh.to(tl.int64) * (NB + 1) + blk
-    c0 = tl.load(COFF + tab)
-    nch = tl.load(COFF + tab + 1) - c0
-    p0 = pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab)
-    dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
-    acc_k = tl.zeros([BS, DKP], tl.float32)
-    acc_v = tl.zeros([BS, DVP], tl.float32)
-    n_add = nch * (nch > 1).to(tl.int32)
-    for c in range(0, n_add):
-        p_row = (p0 + c) * BS + sj[:, None]
-        acc_k += tl.load(PK + p_row * DKP + dk[None, :])
-        acc_v += tl.load(PV + p_row * DVP + dv[None, :])
-    s_pos = blk * LP + sj
-    smask = ((sj < LP) & (s_pos < T) & ((sj * 0 + nch) != 1))[:, None]
-    out_row = ((b * T + s_pos[:, None]) * HKV + kv)
-    tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty), mask=smask & (dk[None, :] < DK))
-    tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty), mask=smask & (dv[None, :] < DV))
 
 
 # dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
@@ -356,77 +152,3 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
 def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
     """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
     return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
-
-
-def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None):
-    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd; ``keys``: the forward's
-    sorted pair keys (sel_fwd with_pairs), or None to sort here."""
-    B, T, HQ, DK = q.shape
-    HKV, DV = k.shape[2], v.shape[-1]
-    n = block_idx.shape[-1]
-    G, c = _consts(q, k, v, slc_block, n)
-    do = do.contiguous()
-    if delta is None:
-        delta = rowdot(do, o)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
-    ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
-    algo = lq.get("algo", "recompute")
-    if algo == "recompute":
-        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
-                                  DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
-                                  ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lq["num_warps"],
-                                  num_stages=lq["num_stages"])
-    # dK/dV block-centric: the (block, token, slot) triples sorted by block, every block's list cut into chunks
-    # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
-    # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).
-    nb = -(-T // slc_block)
-    lc = _cfg("sel_dkdv", q, v, G, n, slc_block, cfg_dkdv)
-    rows = max(lc["rows"], pow2(G))
-    gs = G if lc.get("exact_rows", True) else pow2(G)
-    bt = rows // gs  # pairs per step, each one's heads as gs rows
-    ch = bt * _chunk_tiles(B * HKV * T * n, bt, q.device, lc)
-    keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
-    # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
-    # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice.
-    nps = 2 * -(-T * n // ch)
-    bs, dkp, dvp = c["BS"], c["DKP"], c["DVP"]
-    dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
-    dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
-    pk = torch.empty(B * HKV, nps, bs, dkp, device=q.device, dtype=torch.float32)
-    pv = torch.empty(B * HKV, nps, bs, dvp, device=q.device, dtype=torch.float32)
-    dsb = q.new_empty(B, HKV, T, n, G, slc_block) if algo == "ds" else pk  # pk: never written without STORE_DS
-    dqp = pk  # never written without STORE_DQ
-    if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
-        dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
-                          dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
-    _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
-        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
-        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
-    _sel_bwd_reduce[(nb, B * HKV)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, DK=DK, DV=DV,
-                                    DKP=dkp, DVP=dvp, num_warps=4)
-    if algo == "ds":
-        _sel_bwd_dq_ds[(T, B * HKV)](k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5, LP=slc_block,
-                                     BS=bs, NSEL=n, NPI=lq["NPI"], GR=max(16, pow2(G)), DK=DK, DKP=dkp,
-                                     ACC=dq_acc is not None, num_warps=lq["num_warps"], num_stages=lq["num_stages"])
-    elif algo == "partials":
-        sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
-    return dq, dk, dv
-
-
-def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:
-    """Query tiles per dK/dV chunk: about 4 chunks per SM over all (batch, KV head) pair lists, at least 64 tiles
-    (each chunk reloads its K/V block and writes a partial). H100, whole selected backward at 8k, batch 1
-    (sweep_selected_*): 1b 1.75 / 1.26 / 1.22 / 1.75 ms at 16 / 32 / 64 / 256 tiles, 5.33 with one chunk per
-    block; qwen7b 2.87 / 2.76 / 2.73 / 3.46. The interpreter takes 2, so that its small cases cut blocks into
-    several chunks."""
-    if "chunk_tiles" in lc:
-        return lc["chunk_tiles"]
-    if device.type != "cuda":
-        return 2
-    want = pairs // (bt * 4 * sm_count(device.index or 0))
-    return max(64, 1 << max(0, want.bit_length() - 1))

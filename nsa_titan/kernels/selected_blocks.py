@@ -143,7 +143,7 @@ def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, NP: tl.const
 def _sel_dq_sum(DQP, IDX, DQ, T, G, HKV, sm_scale, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
                 GP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr):
     """dQ = sm_scale * the sum over used slots of the per-(token, slot) partials dS K that the dK/dV walk stored
-    (selected._sel_bwd_dkdv, STORE_DQ), in fp32 by a fixed reduction tree: deterministic. ACC: add to what DQ
+    (selected_bwd._sel_bwd_dkdv, STORE_DQ), in fp32 by a fixed reduction tree: deterministic. ACC: add to what DQ
     holds."""
     b, kv, t, g, row_ok, used, prow = _slot_tiles(IDX, T, G, HKV, NSEL, NP, BT, GP)
     dk = tl.arange(0, DKP)
@@ -320,7 +320,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
 
 def sel_dq_sum(dqp: torch.Tensor, block_idx: torch.Tensor, dq: torch.Tensor, sm_scale: float, acc: bool) -> None:
     """dq [B, T, HQ, DK] (=, or += with ``acc``) sm_scale * the sum over each token's used slots of the partials
-    dqp [B, T, HKV, n, G, DK] (fp32 or bf16) that selected._sel_bwd_dkdv stored."""
+    dqp [B, T, HKV, n, G, DK] (fp32 or bf16) that selected_bwd._sel_bwd_dkdv stored."""
     B, T, HKV, n, G, DK = dqp.shape
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DK)

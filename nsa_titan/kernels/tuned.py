@@ -32,7 +32,7 @@ TUNED: dict[tuple, dict] = {
     ("band_dq", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
-    # Selected dK/dV (selected.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
+    # Selected dK/dV (selected_bwd.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
     # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
     ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
     # Selection (select.py) at m7c 8k batch 2, one pipeline stage: 0.255 -> 0.240 ms
