@@ -138,6 +138,6 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
         q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T, TC,
         nb, G, HKV, DK**-0.5 * LOG2E, CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n,
         W=max(pow2(top_n), pow2(bj)), BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)),
-        DOC=doc_start is not None, SORTED_MERGE=lc.get("merge", "topk") == "sorted", num_warps=lc["num_warps"],
+        DOC=doc_start is not None, SORTED_MERGE=lc["merge"] == "sorted", num_warps=lc["num_warps"],
         num_stages=lc["num_stages"])
     return idx

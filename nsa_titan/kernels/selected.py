@@ -17,7 +17,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E
 from nsa_titan.kernels.combine import pow2
-from nsa_titan.kernels.selected_blocks import sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -47,10 +47,7 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
         blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
         s_pos = blk * LP + c % BS
         kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
-        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -39,6 +39,19 @@ def slot_row(b, t, kv, slot, g, T, HKV, G, NSEL: tl.constexpr):
 
 
 @triton.jit
+def load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK: tl.constexpr, DV: tl.constexpr,
+                 DKP: tl.constexpr, DVP: tl.constexpr):
+    """The K and V rows at positions s_pos of (batch b, KV head kv), zeros where kmask is off: every selected
+    kernel's block load."""
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
                     NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -68,10 +81,7 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
-    k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
     # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T and
     # the block). Invalid rows have q = 0: finite scores, never stored.

@@ -25,7 +25,7 @@ import triton.language as tl
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts
-from nsa_titan.kernels.selected_blocks import block_pairs, sel_dq_sum, slot_row
+from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
 
 
 @triton.jit
@@ -66,10 +66,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
         blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
         s_pos = blk * LP + c % BS
         kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
-        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
         dp = tl.dot(do, tl.trans(v))
@@ -138,10 +135,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
-    k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + s_pos[:, None] * svs + kv * svh + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     r = tl.arange(0, ROWS)
     g = r % GS
     h = kv * G + g
