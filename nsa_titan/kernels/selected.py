@@ -22,6 +22,21 @@ from nsa_titan.kernels.tuned import TUNED
 
 
 @triton.jit
+def token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP: tl.constexpr,
+                  BS: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                  DVP: tl.constexpr):
+    """One step of the token-centric walks (forward, dQ recompute) over token t's selected slots from n0: key c
+    is position c % BS of slot n0 + c // BS. -> which keys t sees (inside the block, s <= t, s >= s_min, the
+    document's start; unused slots, block -1, fall below 0) and their K/V rows."""
+    slot = n0 + c // BS
+    blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
+    s_pos = blk * LP + c % BS
+    kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
+    k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
+    return kmask, k, v
+
+
+@triton.jit
 def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
              T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
              GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
@@ -43,11 +58,8 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
         s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
-        slot = n0 + c // BS
-        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
-        s_pos = blk * LP + c % BS
-        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
-        k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
+        kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
+                                    NSEL, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected import _cfg, _consts
+from nsa_titan.kernels.selected import _cfg, _consts, token_slot_kv
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
 
 
@@ -62,11 +62,8 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
         s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
-        slot = n0 + c // BS
-        blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1)
-        s_pos = blk * LP + c % BS
-        kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
-        k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
+        kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
+                                    NSEL, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
         dp = tl.dot(do, tl.trans(v))
