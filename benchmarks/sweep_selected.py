@@ -65,7 +65,9 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                # the chunk's keys sorted, then one bitonic merge with the sorted running top (select.py merge)
                dict(rows=128, CI=64, num_warps=4, num_stages=1, merge="sorted"),
                dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="sorted"),
-               dict(rows=128, CI=128, num_warps=4, num_stages=1, merge="sorted")],
+               dict(rows=128, CI=128, num_warps=4, num_stages=1, merge="sorted"),
+               dict(rows=64, CI=64, num_warps=4, num_stages=3, merge="sorted"),
+               dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="topk")],
 }
 
 
