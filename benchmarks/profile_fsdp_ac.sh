@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/profile_fsdp_ac.sh OUT RUNS [CONFIG] [trainer overrides ...]
 #
-#   RUNS    comma list of <where>:<ac>[+<variant>...]: where = 1gpu | fsdp2 (2 GPUs); ac = none | full | ratio0.5 |
+#   RUNS    comma list of <where>:<ac>[+<variant>...]: where = 1gpu | fsdp2 | fsdp1 | ddp (2 GPUs); ac = none | full | ratio0.5 |
 #           selective_op; variants: prefetch2 (fsdp_prefetch 2), reshard_never, compile, bs2 (local batch 2),
 #           units<k> (fsdp_blocks_per_unit k, e.g. units4).
 #           e.g. 1gpu:none,1gpu:full,fsdp2:none,fsdp2:full
@@ -55,12 +55,12 @@ for run in "${runs[@]}"; do
   if [[ "$where" == "1gpu" ]]; then
     CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" python3 -m nsa_titan.train "${COMMON[@]}" "${flags[@]}" "$@" --job.dump_folder "$dump" \
       > "$dump/train.log" 2>&1 || echo "  $name failed: $(tail -n 2 "$dump/train.log")"
-  elif [[ "$where" == "fsdp2" ]]; then
+  elif [[ "$where" == "fsdp2" || "$where" == "ddp" || "$where" == "fsdp1" ]]; then
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m nsa_titan.train "${COMMON[@]}" \
-      --parallelism.data_parallel fsdp2 "${flags[@]}" "$@" --job.dump_folder "$dump" \
+      --parallelism.data_parallel "$where" "${flags[@]}" "$@" --job.dump_folder "$dump" \
       > "$dump/train.log" 2>&1 || echo "  $name failed: $(tail -n 2 "$dump/train.log")"
   else
-    echo "unknown place $where in $run (1gpu, fsdp2)" >&2; exit 2
+    echo "unknown place $where in $run (1gpu, fsdp2, fsdp1, ddp)" >&2; exit 2
   fi
   traces=("$dump"/profile_traces/iteration_8/rank*_trace.json)
   if [[ -e "${traces[0]}" ]]; then
