@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                                              max_norm=tc.max_norm, autocast=autocast,
                                              before_optimizer_step=res.before_optimizer_step,
                                              dp_degree=parallel_dims.dp_degree,
-                                             grad_sync=job_config.parallelism.grad_sync)
+                                             grad_sync=job_config.parallelism.grad_sync,
+                                             shard_local=job_config.optimizer.shard_local)
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
             collector.step(step)  # inside the step's time: its cost is part of training
             logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)

@@ -50,7 +50,8 @@ def job_config(*overrides: str, n_layers: int = 2, ga: int = 1):
 
 def opt_cfg():
     # Large lr and weight decay: a wrong decay group or update shows up in the later steps' losses.
-    return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=False)
+    return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=False,
+                           shard_local=True)
 
 
 def global_batches(step: int, ga: int, vocab: int) -> list[dict[str, torch.Tensor]]:
@@ -101,15 +102,15 @@ def run_single(state, n_layers: int, ga: int, steps: int = STEPS, ac_model=None)
     model.load_state_dict(state, strict=False)
     opt = build_optimizer(model, opt_cfg(), "cpu")
     params = [p for p in model.parameters()]
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for step in range(steps):
         loss = reference_forward_backward(model, global_batches(step, ga, model.args.vocab_size))
         losses.append(loss.item())
         grads.append({clean(n): p.grad.detach().clone() for n, p in model.named_parameters()})
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, grads
+    return losses, grads, norms
 
 
 def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str = "inductor"):
@@ -122,20 +123,22 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     # The same initial weights as the reference (sharded / broadcast as each wrapper needs).
     set_model_state_dict(model, {k: v for k, v in state.items() if "rope" not in k},
                          options=StateDictOptions(full_state_dict=True, strict=False))
+    # optimizer.shard_local from the case's overrides: FSDP2 clips and steps on local shards or through DTensor
+    shard_local = cfg.optimizer.shard_local
     with full_param_shapes(model):
-        opt = build_optimizer(model, opt_cfg(), "cpu")
+        opt = build_optimizer(model, SimpleNamespace(**{**vars(opt_cfg()), "shard_local": shard_local}), "cpu")
     params = [p for p in model.parameters()]
-    rank, losses, grads = dist.get_rank(), [], []
+    rank, losses, grads, norms = dist.get_rank(), [], [], []
     sync_every = cfg.parallelism.grad_sync == "every_micro_batch"
     for step in range(steps):
         mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
         loss = forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)
         losses.append(loss.item())
         grads.append(full_grads(model))
-        clip_grad_norm(model, params, 1.0)
+        norms.append(clip_grad_norm(model, params, 1.0, shard_local).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, grads
+    return losses, grads, norms
 
 
 def fsdp2_units_of_blocks(n_layers: int, per_unit: int) -> list[int]:
@@ -163,11 +166,12 @@ def init_matches_single_process(dp: str, *overrides: str, n_layers: int = 2) -> 
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     err = max((full[k] - ref[k]).abs().max().item() for k in ref)
-    return {"ref_losses": [], "losses": [], "loss_err": 0.0, "grad_rel_err": err, "worst_param": "init (max abs)"}
+    return {"ref_losses": [], "losses": [], "loss_err": 0.0, "grad_rel_err": err, "worst_param": "init (max abs)",
+            "norm_rel_err": 0.0}
 
 
 def compare(ref, got) -> dict:
-    (ref_l, ref_g), (got_l, got_g) = ref, got
+    (ref_l, ref_g, ref_n), (got_l, got_g, got_n) = ref, got
     worst, worst_name = 0.0, None
     for rg, gg in zip(ref_g, got_g):
         assert set(rg) == set(gg), (sorted(set(rg) ^ set(gg)))
@@ -176,7 +180,9 @@ def compare(ref, got) -> dict:
             if err > worst:
                 worst, worst_name = err, name
     return {"ref_losses": ref_l, "losses": got_l, "loss_err": max(abs(a - b) for a, b in zip(ref_l, got_l)),
-            "grad_rel_err": worst, "worst_param": worst_name}
+            "grad_rel_err": worst, "worst_param": worst_name,
+            # the clipping norm each step (a norm missing a rank's shard shows here before it skews later losses)
+            "norm_rel_err": max(abs(a - b) / b for a, b in zip(got_n, ref_n)), "norms": got_n}
 
 
 # ---- scenarios: name -> list of (case, overrides, n_layers, ga) --------------------------------------
@@ -190,6 +196,8 @@ def _parity_cases():
     fs2 = ["--parallelism.data_parallel", "fsdp2"]
     cases += [
         ("fsdp2_hsdp_2x1_ga2", [*fs2, "--parallelism.dp_replicate", "2"], 2, 2),
+        # clipping and AdamW through DTensor dispatch instead of the local shards (the default)
+        ("fsdp2_dtensor_step_ga2", [*fs2, "--optimizer.shard_local", "false"], 2, 2),
         ("fsdp2_never_reshard_prefetch1", [*fs2, "--parallelism.fsdp_reshard_after_forward", "never",
                                            "--parallelism.fsdp_prefetch", "1"], 2, 2),
         # 3 blocks in units of 2 ([0, 1], [2]) with explicit prefetch, and with full AC inside a grouped unit

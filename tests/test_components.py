@@ -33,7 +33,7 @@ class Tiny(nn.Module):
 
 
 def opt_cfg(**kw):
-    base = dict(name="adamw", lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, fused="auto")
+    base = dict(name="adamw", lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, fused="auto", shard_local=True)
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -98,12 +98,40 @@ def forward_backward(
     return total
 
 
-def clip_grad_norm(model: nn.Module, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global gradient L2 norm (a device tensor) over all ranks' shards; clips when ``max_norm > 0``."""
+def _sharded_grad_norm(grads: list[DTensor]) -> torch.Tensor | None:
+    """L2 norm of FSDP2's sharded gradients from their local shards: each rank's sum of squares, all-reduced over
+    the mesh dimensions that shard them (none for replicated ones, e.g. HSDP's replicate dimension). None when
+    the gradients do not share one mesh and Shard/Replicate placements (then the DTensor path decides)."""
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(g.device_mesh != mesh or g.placements != placements for g in grads) or not all(
+            p.is_shard() or p.is_replicate() for p in placements):
+        return None
+    local = [g._local_tensor for g in grads]
+    sq = torch.nn.utils.get_total_norm(local, foreach=True).float().square()
+    home = sq.device
+    sq = sq.to(mesh.device_type)  # CPU-offloaded gradients on a CUDA mesh: the collective runs on the mesh's device
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+    return sq.sqrt().to(home)
+
+
+def clip_grad_norm(model: nn.Module, params: Sequence[nn.Parameter], max_norm: float,
+                   shard_local: bool = True) -> torch.Tensor:
+    """Global gradient L2 norm (a device tensor) over all ranks' shards; clips when ``max_norm > 0``.
+    ``shard_local`` (optimizer.shard_local): FSDP2's norm and clipping on the local shards, no DTensor dispatch."""
     if isinstance(model, FullyShardedDataParallel):
         # FSDP1 flattens parameters: only its own method knows which shard belongs to which rank.
         return model.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
     grads = [p.grad for p in params if p.grad is not None]
+    total = None
+    if shard_local and grads and all(isinstance(g, DTensor) for g in grads):
+        total = _sharded_grad_norm(grads)
+        if total is not None:
+            if max_norm > 0:  # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the local shards
+                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+                torch._foreach_mul_([g._local_tensor for g in grads], coef.to(grads[0]._local_tensor.device))
+            return total
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(total, DTensor):
         # FSDP2: the norm of sharded gradients is a partial result; full_tensor() all-reduces it.
@@ -125,16 +153,18 @@ def train_step(
     before_optimizer_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     dp_degree: int = 1,
     grad_sync: str = "last_micro_batch",
+    shard_local: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches`` (gradient accumulation); returns (loss, grad_norm) on device.
 
     ``dp_degree``: data-parallel ranks (1: one process, no collectives); ``grad_sync`` (parallelism.grad_sync):
     'last_micro_batch' reduces gradients once per step, 'every_micro_batch' after each micro-batch.
-    ``before_optimizer_step(loss, grad_norm)`` runs after clipping (the non-finite guard).
+    ``before_optimizer_step(loss, grad_norm)`` runs after clipping (the non-finite guard). ``shard_local``
+    (optimizer.shard_local): FSDP2 gradients are clipped on their local shards.
     """
     loss = forward_backward(model, micro_batches, autocast=autocast, dp_degree=dp_degree,
                             sync_every_micro_batch=grad_sync == "every_micro_batch")
-    grad_norm = clip_grad_norm(model, params, max_norm)
+    grad_norm = clip_grad_norm(model, params, max_norm, shard_local)
     if before_optimizer_step is not None:
         before_optimizer_step(loss, grad_norm)
     optimizer.step()

@@ -135,7 +135,8 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
                 _sync(device)
                 t0 = time.perf_counter()
             train_step(model, optimizer, scheduler, batches, params=params, max_norm=tc.max_norm, autocast=autocast,
-                       dp_degree=dims.dp_degree, grad_sync=cfg.parallelism.grad_sync)
+                       dp_degree=dims.dp_degree, grad_sync=cfg.parallelism.grad_sync,
+                       shard_local=cfg.optimizer.shard_local)
         _sync(device)
         step_s = (time.perf_counter() - t0) / steps
         tokens_per_step = tc.grad_accum_steps * tc.local_batch_size * tc.seq_len
