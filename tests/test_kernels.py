@@ -444,4 +444,8 @@ def test_import_without_triton_raises_importerror():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from _interp_speed import install  # tests/ is on the path only in this child
+
+        install()
     main("cuda" if "--cuda" in sys.argv else "cpu")
