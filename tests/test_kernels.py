@@ -320,10 +320,16 @@ def _band_split_check(device):
 
 def _decode_fused_check(device):
     """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
-    logits of a full forward (prompt lengths 0 and 37, G 2 and 6, shared K/V with mean compression). The model's
-    attention weights are sharpened (tests/test_decode.py) so that a wrong block choice shows in the logits.
-    On CUDA the reference is the torch decode path (fused=False, itself tested against a full forward), from an
-    empty cache; the kernel's fp32 dots are full precision there (no tf32), so the bound is the same."""
+    logits of a full forward. The model's attention weights are sharpened (tests/test_decode.py) so that a wrong
+    block choice shows in the logits. Three models, 100 tokens, batch 2 (two rows of the caches' [B, HKV] stride):
+    every step from an empty cache (G 2, two KV heads: no compressed token yet, fewer past blocks than n, the window
+    ring filling, then wrapping, one compressed tile, then two from t = 71 on); after a prompt that ends mid-block
+    (G 6, one KV head: 69 = 37 + 2 blocks, the phase of test_decode's 37 in both the selection blocks and the
+    compression stride); after one that ends on a block edge (80, as 64), shared K/V with mean compression, two
+    layers (each layer its own caches and workspace). On the interpreter the first two models have one layer and
+    the prompts are prefilled (the kernel costs ~0.1 s per step and layer there); on CUDA every model has two
+    layers and starts from an empty cache, and the reference is the torch decode path (fused=False, itself tested
+    against a full forward); the kernel's fp32 dots are full precision there (no tf32), so the bound is the same."""
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -331,9 +337,9 @@ def _decode_fused_check(device):
     from test_decode import tiny_model  # noqa: PLC0415 - tests/ is on the path only in this child
 
     worst = 0.0
-    for n_prefill, kw in [(0, {"slc_top_n": 4}), (37, {"slc_top_n": 5, "n_heads": 6, "n_kv_heads": 1}),
-                          (64, {"slc_top_n": 4, "shared_kv": True, "compress": "mean"})]:
-        model = tiny_model(**kw).to(device)
+    for n_prefill, layers, kw in [(0, 1, {"slc_top_n": 4}), (69, 1, {"slc_top_n": 5, "n_heads": 6, "n_kv_heads": 1}),
+                                  (80, 2, {"slc_top_n": 4, "shared_kv": True, "compress": "mean"})]:
+        model = tiny_model(n_layers=layers if device == "cpu" else 2, **kw).to(device)
         tokens = torch.randint(0, 260, (2, 100), generator=torch.Generator().manual_seed(1)).to(device)
         n_prefill = n_prefill if device == "cpu" else 0
         logits = {}
