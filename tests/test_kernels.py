@@ -149,31 +149,56 @@ def _aux_grads_check(device):
     return {"ok": seen == [[True] * 8] and xs[0].grad is not None, "seen": seen}
 
 
-def _blocks_fwd_check(device):
-    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
+_SEL_INPUTS: dict = {}
+
+
+def _sel_inputs(case, device):
+    """The selected-branch checks' shared inputs for one case, made once for the three of them: random q, K/V of the
+    compressed and the selected branch, dO; the compressed branch's LSE; the selection with chunks of 16 compressed
+    tokens merged both ways (select_merge; the default chunks run in the whole-attention cases); the block-centric
+    forward (32-row chunks) with its sorted pair keys. None when T < l (no compressed token)."""
     import torch
 
     from nsa_titan.kernels import band, select, selected
     from nsa_titan.models.nsa.common import NSAParams
 
-    worst = {}
-    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
+    if (case[0], device) not in _SEL_INPUTS:
+        name, B, T, HQ, HKV, DK, DV, geo, dt, *starts = case
         p, dtype = NSAParams(*geo), getattr(torch, dt)
         doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
-        gen = torch.Generator().manual_seed(1)
-        q, kc, ks, vs = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
-                         [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK), (B, T, HKV, DK), (B, T, HKV, DV)])
-        if kc.shape[1] == 0:
+        gen = torch.Generator().manual_seed(2)
+        q, kc, ks, vs, do = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
+                             [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK), (B, T, HKV, DK), (B, T, HKV, DV),
+                              (B, T, HQ, DV)])
+        x = None
+        if kc.shape[1]:
+            _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
+            idx_topk, idx = (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                                  cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted"))
+            o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
+                                            doc_start=doc, with_pairs=True)
+            x = dict(p=p, doc=doc, q=q, ks=ks, vs=vs, do=do, idx_topk=idx_topk, idx=idx, o=o, lse=lse, keys=keys)
+        _SEL_INPUTS[case[0], device] = x
+    return _SEL_INPUTS[case[0], device]
+
+
+def _blocks_fwd_check(device):
+    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
+    import torch
+
+    from nsa_titan.kernels import selected
+
+    worst = {}
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None:
             continue
-        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
-        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, doc_start=doc)
-        o_tok, lse_tok = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="token"), doc_start=doc)
-        o_blk, lse_blk = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
-                                          doc_start=doc)
+        o_tok, lse_tok = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
+                                          cfg=dict(algo="token"), doc_start=x["doc"])
+        o_blk, lse_blk = x["o"], x["lse"]
         same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
         fin = torch.isfinite(lse_tok)
-        worst[name] = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
-        worst[name] = worst[name] if same_inf and worst[name] < TOL[dt] else float("inf")
+        w = max(_rel(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
+        worst[case[0]] = w if same_inf and w < TOL[case[8]] else float("inf")
     return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf"),
             "worst": worst}
 
@@ -183,22 +208,8 @@ def _select_merge_check(device):
     or sort the chunk's keys and one bitonic merge with the sorted top) give the same indices, every case."""
     import torch
 
-    from nsa_titan.kernels import band, select
-    from nsa_titan.models.nsa.common import NSAParams
-
-    same = {}
-    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
-        p, dtype = NSAParams(*geo), getattr(torch, dt)
-        doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
-        gen = torch.Generator().manual_seed(3)
-        q, kc = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
-                 [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK)])
-        if kc.shape[1] == 0:
-            continue
-        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
-        idx = [select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
-                                    cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted")]
-        same[name] = bool(torch.equal(*idx))
+    same = {c[0]: bool(torch.equal(x["idx_topk"], x["idx"])) for c in CASES + DOC_CASES
+            if (x := _sel_inputs(c, device)) is not None}
     return {"ok": len(same) == len(CASES) + len(DOC_CASES) - 1 and all(same.values()), "same": same}
 
 
@@ -209,32 +220,20 @@ def _sel_bwd_paths_check(device):
     dK/dV walk stores (fp32, and in the inputs' dtype), the last one with the pair keys the block-centric
     forward sorted. The whole-attention cases above run the default path only (on the interpreter: dS, two
     tiles per chunk)."""
-    import torch
-
-    from nsa_titan.kernels import band, select, selected, selected_bwd
-    from nsa_titan.models.nsa.common import NSAParams
+    from nsa_titan.kernels import selected_bwd
 
     worst = {}
     variants = [(dict(algo="recompute"), dict(chunk_tiles=1 << 20), False),
                 (dict(algo="ds"), dict(chunk_tiles=1, exact_rows=False), False),  # heads padded to pow2(G) rows
                 (dict(algo="partials"), dict(chunk_tiles=1), False),
                 (dict(algo="partials", partial_bits=16), dict(chunk_tiles=2), True)]
-    for name, B, T, HQ, HKV, DK, DV, geo, dt, *starts in CASES + DOC_CASES:
-        p, dtype = NSAParams(*geo), getattr(torch, dt)
-        doc = _doc_start(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
-        gen = torch.Generator().manual_seed(2)
-        q, ks, vs, do = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
-                         [(B, T, HQ, DK), (B, T, HKV, DK), (B, T, HKV, DV), (B, T, HQ, DV)])
-        kc = ks[:, : p.num_cmp_tokens(T)].contiguous()
-        if kc.shape[1] == 0:
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None:
             continue
-        _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
-        idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, doc_start=doc)
-        o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
-                                        doc_start=doc, with_pairs=True)
-        outs = [selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=a, cfg_dkdv=b, doc_start=doc,
-                                 keys=keys if reuse else None) for a, b, reuse in variants]
-        worst[name] = max(_rel(x, y) for other in outs[1:] for x, y in zip(other, outs[0]))
+        outs = [selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], x["p"].slc_block,
+                                     cfg_dq=a, cfg_dkdv=b, doc_start=x["doc"], keys=x["keys"] if reuse else None)
+                for a, b, reuse in variants]
+        worst[case[0]] = max(_rel(y, z) for other in outs[1:] for y, z in zip(other, outs[0]))
     # fp16 inputs: the fp16 dQ partials round once more than the other paths (1e-3 relative is 2 fp16 ulps).
     bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES}
     return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and all(w < bound[k] for k, w in worst.items()),
