@@ -285,7 +285,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
         collector.close()
         profiler.close(error)  # an out-of-memory error writes a memory snapshot first
         logger.close()
-        res.close(error)
+        try:
+            res.close(error)
+        finally:
+            train_loader.close()  # its worker processes stop now, not when the garbage collector gets to them
 
     compile_stats = None
     if job_config.compile.enable:

@@ -66,6 +66,7 @@ class StatefulLoader:
         self._start = 0  # sample position of the loader's first batch
         self._batches = 0  # batches yielded since then
         self._loader, self._iter = None, None
+        self._closed = False
 
     # ------------------------------------------------------------------ iteration
     def _build(self, torchdata_state: dict | None = None) -> None:
@@ -94,6 +95,7 @@ class StatefulLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        self._check_open()
         if self._loader is None:
             self._build()
         if self._iter is None:
@@ -105,6 +107,25 @@ class StatefulLoader:
         if self.pin_memory and not self.use_torchdata:  # torchdata pins in its own thread
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes now (the trainer calls this when a run ends, however it ends).
+
+        Otherwise the torchdata iterator is freed only by the cycle collector once the trainer's objects are garbage:
+        the collector first stops its index queues' feeder threads, so its own shutdown then waits out a 5 s join per
+        worker. A closed loader yields no more batches and has no state to save."""
+        it, self._iter = self._iter, None
+        # torch's multiprocessing iterator has it (torchdata's subclasses it); the inline loader has no workers
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._loader = None  # persistent workers: the loader keeps its own reference to the iterator
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this data loader was closed (its worker processes are stopped): build a new one "
+                               "with nsa_titan.data.build_dataloader, and take state_dict() before close() to resume")
 
     # ------------------------------------------------------------------ state
     @property
@@ -118,6 +139,7 @@ class StatefulLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the stream's identity, the position, and the resumable state of whichever loader runs."""
+        self._check_open()
         state = {**self.identity, "sample_index": self.position, "epoch": self.epoch, "start": self._start,
                  "torchdata": None, "stream": None}
         if self.use_torchdata and self._loader is not None:
@@ -127,6 +149,7 @@ class StatefulLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_open()
         # A state from a different stream would silently yield other data: refuse it.
         for key in _IDENTITY:
             if key in state and key in self.identity and state[key] != self.identity[key]:
