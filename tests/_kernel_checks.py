@@ -1,0 +1,352 @@
+"""The kernel checks of tests/test_kernels.py: the whole-attention cases (``run_case``: the Triton NSA attention
+against the float64 reference) and the named checks (``CHECKS``) of single kernels and paths. They run only in
+that file's child process (TRITON_INTERPRET=1 on CPU, or ``--cuda``), which prints one verdict per case and check.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# (name, B, T, HQ, HKV, Dk, Dv, (l, d, l', n, w), dtype)
+CASES = [  # small T and few KV heads: the interpreter pays per program and per Triton op
+    ("g1_odd_b2", 2, 45, 1, 1, 32, 32, (8, 4, 8, 4, 12), "float32"),
+    ("g2_dk_ne_dv", 1, 70, 2, 1, 48, 32, (8, 4, 8, 4, 10), "float32"),
+    ("g6_l_lt_lp", 1, 80, 6, 1, 32, 32, (16, 8, 16, 3, 40), "float32"),
+    ("g3_hkv2_lp16", 1, 72, 6, 2, 16, 16, (16, 8, 16, 3, 24), "float32"),  # packed rows: 3 heads, 2 groups
+    ("g16_l_eq_lp", 1, 70, 16, 1, 32, 16, (8, 8, 8, 5, 12), "float32"),
+    ("g2_fp16", 1, 61, 4, 2, 32, 32, (8, 4, 8, 4, 24), "float16"),
+    ("short_T", 1, 5, 2, 1, 32, 32, (8, 4, 16, 4, 24), "float32"),  # T < l: no compressed token
+]
+# Packed documents (doc_start from these first positions per batch row): starts inside blocks, on block edges,
+# one-token documents, a document that starts after block 0 ends.
+DOC_CASES = [
+    ("doc_g2_b2", 2, 77, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float32", [[0, 23, 40, 64], [0, 50]]),
+    ("doc_g6", 1, 130, 12, 2, 16, 16, (16, 8, 16, 4, 24), "float32", [[0, 7, 33, 96]]),
+    ("doc_g16_tiny_docs", 1, 70, 16, 1, 32, 32, (8, 8, 8, 5, 12), "float32", [[0, 1, 35, 36, 69]]),
+]
+TOL = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+def doc_starts(starts_per_row, t):
+    import torch
+
+    rows = [torch.tensor(st)[torch.searchsorted(torch.tensor(st), torch.arange(t), right=True) - 1]
+            for st in starts_per_row]
+    return torch.stack(rows)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_case(case, device):
+    import torch
+
+    from nsa_titan.kernels import nsa_attention
+    from nsa_titan.models.nsa import reference, torch_impl
+    from nsa_titan.models.nsa.common import NSAParams
+
+    name, B, T, HQ, HKV, DK, DV, geo, dt = case[:9]
+    doc = doc_starts(case[9], T).to(device) if len(case) > 9 else None
+    p = NSAParams(*geo)
+    dtype = getattr(torch, dt)
+    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    tc = p.num_cmp_tokens(T)
+
+    def rnd(*s):
+        return (torch.randn(*s, generator=gen) * 1.5).to(device=device, dtype=dtype)
+
+    ins = [rnd(B, T, HQ, DK), rnd(B, tc, HKV, DK), rnd(B, tc, HKV, DV), rnd(B, T, HKV, DK), rnd(B, T, HKV, DV),
+           rnd(B, T, HKV, DK), rnd(B, T, HKV, DV),
+           torch.rand(B, T, HQ, 3, generator=gen).to(device)]
+    dout = rnd(B, T, HQ, DV)
+    errs = {}
+
+    def run(fn, xs):
+        xs = [x.detach().requires_grad_(True) for x in xs]
+        out, sel = fn(*xs, p, doc_start=doc)
+        out.backward(dout.to(out.dtype))
+        return out.detach(), sel, [x.grad for x in xs]
+
+    out, idx, grads = run(nsa_attention, ins)
+    ref_out, chosen, ref_grads = run(reference.nsa_attention, [x.double() for x in ins])
+    errs["out"] = rel_err(out, ref_out)
+    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    for n_, g, rg in zip(names, grads, ref_grads):
+        if rg is None or rg.numel() == 0:  # k_cmp/v_cmp when T < l: nothing depends on them
+            assert g is None or not g.abs().any()
+            continue
+        errs["d" + n_] = rel_err(g, rg)
+    mine = torch_impl.blocks_to_mask(idx.long(), T, p)
+    sel_ok = bool((mine == chosen).all())
+    # Same indices in the same order as the portable path (descending importance, ties to the lower index).
+    _, ti_idx = torch_impl.nsa_attention(*[x.float() for x in ins], p, doc_start=doc)
+    order_ok = bool((ti_idx == idx).all())
+    _, _, grads2 = run(nsa_attention, ins)
+    determ = all(a is None or bool(torch.equal(a, b)) for a, b in zip(grads, grads2))
+    worst = max(errs.values())
+    ok = worst < TOL[dt] and sel_ok and order_ok and determ and all(
+        g is None or bool(torch.isfinite(g).all()) for g in grads)
+    return {"ok": ok, "worst": worst, "sel_ok": sel_ok, "order_ok": order_ok, "determ": determ, "errs": errs}
+
+
+def _compile_check(device):
+    """fullgraph=True must trace through the custom ops (aot_eager: no C++ toolchain needed on CPU)."""
+    import torch
+
+    from nsa_titan.kernels import nsa_attention
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 16, 4, 24)
+    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
+    xs = [torch.randn(*s, device=device, requires_grad=True) for s in
+          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
+    gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
+    fn = torch.compile(lambda *a: nsa_attention(*a, p), fullgraph=True, backend="aot_eager")
+    out, idx = fn(*xs, gates)
+    ref, ridx = nsa_attention(*xs, gates, p)
+    out.sum().backward()
+    return {"ok": bool(torch.equal(idx, ridx)) and rel_err(out.detach(), ref.detach()) < 1e-6
+            and xs[0].grad is not None}
+
+
+def _aux_grads_check(device):
+    """The forward op's auxiliary outputs (block indices, branch outputs and LSEs) get no gradient: autograd
+    must not materialise zero gradients for them (three [B, T, HQ, Dv] tensors of peak memory)."""
+    import torch
+
+    from nsa_titan.kernels import nsa_attention, ops
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 16, 4, 24)
+    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
+    xs = [torch.randn(*s, device=device, requires_grad=True) for s in
+          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
+    gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
+    seen = []
+    backward = ops._nsa_backward
+
+    def spy(ctx, dout, *aux):
+        seen.append([a is None for a in aux])
+        return backward(ctx, dout, *aux)
+
+    ops.nsa_fwd.register_autograd(spy, setup_context=ops._nsa_setup)
+    try:
+        out, _ = nsa_attention(*xs, gates, p)
+        out.sum().backward()
+    finally:
+        ops.nsa_fwd.register_autograd(backward, setup_context=ops._nsa_setup)
+    return {"ok": seen == [[True] * 8] and xs[0].grad is not None, "seen": seen}
+
+
+_SEL_INPUTS: dict = {}
+
+
+def _sel_inputs(case, device):
+    """The selected-branch checks' shared inputs for one case, made once for the three of them: random q, K/V of the
+    compressed and the selected branch, dO; the compressed branch's LSE; the selection with chunks of 16 compressed
+    tokens merged both ways (select_merge; the default chunks run in the whole-attention cases); the block-centric
+    forward (32-row chunks) with its sorted pair keys. None when T < l (no compressed token)."""
+    import torch
+
+    from nsa_titan.kernels import band, select, selected
+    from nsa_titan.models.nsa.common import NSAParams
+
+    if (case[0], device) not in _SEL_INPUTS:
+        name, B, T, HQ, HKV, DK, DV, geo, dt, *starts = case
+        p, dtype = NSAParams(*geo), getattr(torch, dt)
+        doc = doc_starts(starts[0], T).to(device=device, dtype=torch.int32) if starts else None
+        gen = torch.Generator().manual_seed(2)
+        q, kc, ks, vs, do = (torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in
+                             [(B, T, HQ, DK), (B, p.num_cmp_tokens(T), HKV, DK), (B, T, HKV, DK), (B, T, HKV, DV),
+                              (B, T, HQ, DV)])
+        x = None
+        if kc.shape[1]:
+            _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
+            idx_topk, idx = (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                                  cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted"))
+            o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
+                                            doc_start=doc, with_pairs=True)
+            x = dict(p=p, doc=doc, q=q, ks=ks, vs=vs, do=do, idx_topk=idx_topk, idx=idx, o=o, lse=lse, keys=keys)
+        _SEL_INPUTS[case[0], device] = x
+    return _SEL_INPUTS[case[0], device]
+
+
+def _blocks_fwd_check(device):
+    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
+    import torch
+
+    from nsa_titan.kernels import selected
+
+    worst = {}
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None:
+            continue
+        o_tok, lse_tok = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
+                                          cfg=dict(algo="token"), doc_start=x["doc"])
+        o_blk, lse_blk = x["o"], x["lse"]
+        same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
+        fin = torch.isfinite(lse_tok)
+        w = max(rel_err(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
+        worst[case[0]] = w if same_inf and w < TOL[case[8]] else float("inf")
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf"),
+            "worst": worst}
+
+
+def _select_merge_check(device):
+    """The selection's two ways of merging a chunk into the running top-n (select.py cfg merge: tl.topk of both,
+    or sort the chunk's keys and one bitonic merge with the sorted top) give the same indices, every case."""
+    import torch
+
+    same = {c[0]: bool(torch.equal(x["idx_topk"], x["idx"])) for c in CASES + DOC_CASES
+            if (x := _sel_inputs(c, device)) is not None}
+    return {"ok": len(same) == len(CASES) + len(DOC_CASES) - 1 and all(same.values()), "same": same}
+
+
+def _sel_bwd_paths_check(device):
+    """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
+    one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
+    one query tile (partials added by the reduce kernel) vs dQ summed from per-(token, slot) partials that the
+    dK/dV walk stores (fp32, and in the inputs' dtype), the last one with the pair keys the block-centric
+    forward sorted. The whole-attention cases above run the default path only (on the interpreter: dS, two
+    tiles per chunk)."""
+    from nsa_titan.kernels import selected_bwd
+
+    worst = {}
+    variants = [(dict(algo="recompute"), dict(chunk_tiles=1 << 20), False),
+                (dict(algo="ds"), dict(chunk_tiles=1, exact_rows=False), False),  # heads padded to pow2(G) rows
+                (dict(algo="partials"), dict(chunk_tiles=1), False),
+                (dict(algo="partials", partial_bits=16), dict(chunk_tiles=2), True)]
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None:
+            continue
+        outs = [selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], x["p"].slc_block,
+                                     cfg_dq=a, cfg_dkdv=b, doc_start=x["doc"], keys=x["keys"] if reuse else None)
+                for a, b, reuse in variants]
+        worst[case[0]] = max(rel_err(y, z) for other in outs[1:] for y, z in zip(other, outs[0]))
+    # fp16 inputs: the fp16 dQ partials round once more than the other paths (1e-3 relative is 2 fp16 ulps).
+    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES}
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and all(w < bound[k] for k, w in worst.items()),
+            "worst": worst}
+
+
+def _pair_table_check(device):
+    """The selected branch's pair tables (one Triton kernel for the keys, torch.sort, one Triton kernel for the
+    block offsets, chunk offsets, partial-slot offsets and the programs' blocks) against their torch spec, on
+    random selections with unused slots: one block, a few, many; chunks of 1, 3, 16 and 64 pairs (16: some
+    blocks of exactly two chunks)."""
+    import torch
+
+    from nsa_titan.kernels.selected_blocks import block_pairs, block_pairs_reference
+
+    bad = []
+    for B, HKV, T, n, nb, seed in ((1, 1, 5, 3, 1, 0), (2, 2, 37, 4, 5, 1), (1, 2, 300, 5, 40, 2)):
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(-1, nb, (B, HKV, T, n), generator=gen).to(device)
+        for bt in (1, 3, 16, 64):
+            got = block_pairs(idx, nb, bt)
+            want = block_pairs_reference(idx, nb, bt)
+            names = ("keys", "off", "coff", "poff", "prog")
+            bad += [f"{T}/{bt}/{k}" for k, a, b in zip(names, got, want) if not torch.equal(a.long(), b.long())]
+    return {"ok": not bad, "mismatch": bad}
+
+
+def _naive_band(q, k, v, do, kstride, koff, win, ds):
+    """Float64 band attention by its definition (band.py's module doc) -> (o, dq, dk, dv); rows that see no key
+    give 0."""
+    import torch
+
+    q, k, v = (x.double().requires_grad_(True) for x in (q, k, v))
+    G = q.shape[2] // k.shape[2]
+    t = torch.arange(q.shape[1])[:, None]
+    i = torch.arange(k.shape[1])[None, :]
+    vis = i * kstride + koff <= t
+    if win:
+        vis = vis & (i * kstride + koff > t - win)
+    vis = vis[None, None] if ds is None else vis[None, None] & (i * kstride >= ds.cpu()[:, None, :, None])
+    kk, vv = (x.repeat_interleave(G, 2).transpose(1, 2) for x in (k, v))
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~vis, float("-inf"))
+    p = torch.where(vis.any(-1, keepdim=True), s.softmax(-1), 0.0)
+    o = (p @ vv).transpose(1, 2)
+    return (o, *torch.autograd.grad(o, (q, k, v), do.double()))
+
+
+def _band_split_check(device):
+    """The band kernels' mask-free interior tiles (band.py SPLIT) against the all-masked loop: forward, dQ and
+    dK/dV of the compressed and the window geometry, two KV heads of G = 3 (tiles of 16 rows hold 5 1/3 tokens:
+    a token's heads straddle two tiles) and with documents. Tiles of 16 keys over T = 100 give every loop masked and
+    unmasked parts (the whole-attention cases above use tiles of 64 keys, where the interior part is mostly
+    empty). The interior tiles are those whose mask is all true, so both paths must agree to the bit; any
+    tolerance only covers a future reordering. Both are also held to a float64 band attention (``naive``)."""
+    import torch
+
+    from nsa_titan.kernels import band
+
+    worst, naive = {}, 0.0
+    B, T, HQ, HKV, D = 1, 100, 6, 2, 16
+    doc = doc_starts([[0, 37, 70]], T).to(device=device, dtype=torch.int32)
+    for name, (kstride, koff, win, ds) in {"cmp": (4, 7, 0, None), "win": (1, 0, 40, None),
+                                          "win_doc": (1, 0, 40, doc), "cmp_doc": (4, 7, 0, doc)}.items():
+        gen = torch.Generator().manual_seed(3)
+        S = T if kstride == 1 else (T - koff - 1) // kstride + 1
+        q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
+                       [(B, T, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, T, HQ, D)])
+        outs, want = [], _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
+        for split in (False, True):
+            cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, split=split)
+            o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
+            grads = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg, doc_start=ds)
+            fin = torch.isfinite(lse)
+            outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
+            naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([o, *grads], want)))
+        worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
+    # The interpreter runs both loop bodies op for op: equal to the bit (1e-5 leaves room for a reordering). On
+    # a GPU the fp32 dots run as tf32 and the two bodies compile to different instruction orders (3e-5 to 7e-5
+    # seen on an H100): the fp32 bound of the cases above.
+    return {"ok": max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"]) and naive < TOL["float32"],
+            "worst": worst, "naive": naive}
+
+
+def _decode_fused_check(device):
+    """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
+    logits of a full forward. The model's attention weights are sharpened (tests/test_decode.py) so that a wrong
+    block choice shows in the logits. Three models, 100 tokens, batch 2 (two rows of the caches' [B, HKV] stride):
+    every step from an empty cache (G 2, two KV heads: no compressed token yet, fewer past blocks than n, the window
+    ring filling, then wrapping, one compressed tile, then two from t = 71 on); after a prompt that ends mid-block
+    (G 6, one KV head: 69 = 37 + 2 blocks, the phase of test_decode's 37 in both the selection blocks and the
+    compression stride); after one that ends on a block edge (80, as 64), shared K/V with mean compression, two
+    layers (each layer its own caches and workspace). On the interpreter the first two models have one layer and
+    the prompts are prefilled (the kernel costs ~0.1 s per step and layer there); on CUDA every model has two
+    layers and starts from an empty cache, and the reference is the torch decode path (fused=False, itself tested
+    against a full forward); the kernel's fp32 dots are full precision there (no tf32), so the bound is the same."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from nsa_titan.models.nsa.decode import KVCache, decode_step, prefill
+    from test_decode import tiny_model  # noqa: PLC0415 - tests/ is on the path only in this child
+
+    worst = 0.0
+    for n_prefill, layers, kw in [(0, 1, {"slc_top_n": 4}), (69, 1, {"slc_top_n": 5, "n_heads": 6, "n_kv_heads": 1}),
+                                  (80, 2, {"slc_top_n": 4, "shared_kv": True, "compress": "mean"})]:
+        model = tiny_model(n_layers=layers if device == "cpu" else 2, **kw).to(device)
+        tokens = torch.randint(0, 260, (2, 100), generator=torch.Generator().manual_seed(1)).to(device)
+        n_prefill = n_prefill if device == "cpu" else 0
+        logits = {}
+        for fused in (True, False) if device != "cpu" else (True,):
+            cache = KVCache(model, 2, 100, fused=fused)
+            assert all((layer.fused is not None) == fused for layer in cache.layers)
+            out = [prefill(model, tokens[:, :n_prefill], cache)] if n_prefill else []
+            out += [decode_step(model, cache, tokens[:, t: t + 1])[:, None] for t in range(n_prefill, 100)]
+            logits[fused] = torch.cat(out, 1)
+        with torch.no_grad():
+            want = model(tokens) if device == "cpu" else logits[False]
+            worst = max(worst, float((logits[True] - want).abs().max()))
+    return {"ok": worst < 1e-4, "worst": worst}
+
+
+# The named checks in the order the child runs them: (verdict name, function of the device).
+CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
+          ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
+          ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check))
