@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from nsa_titan.components.optimizer import local_shard
 from nsa_titan.data import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
@@ -106,8 +107,7 @@ def _sharded_grad_norm(grads: list[DTensor]) -> torch.Tensor | None:
     if any(g.device_mesh != mesh or g.placements != placements for g in grads) or not all(
             p.is_shard() or p.is_replicate() for p in placements):
         return None
-    local = [g._local_tensor for g in grads]
-    sq = torch.nn.utils.get_total_norm(local, foreach=True).float().square()
+    sq = torch.nn.utils.get_total_norm([local_shard(g) for g in grads], foreach=True).float().square()
     home = sq.device
     sq = sq.to(mesh.device_type)  # CPU-offloaded gradients on a CUDA mesh: the collective runs on the mesh's device
     for dim, placement in enumerate(placements):
@@ -124,13 +124,12 @@ def clip_grad_norm(model: nn.Module, params: Sequence[nn.Parameter], max_norm: f
         # FSDP1 flattens parameters: only its own method knows which shard belongs to which rank.
         return model.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
     grads = [p.grad for p in params if p.grad is not None]
-    total = None
     if shard_local and grads and all(isinstance(g, DTensor) for g in grads):
         total = _sharded_grad_norm(grads)
         if total is not None:
             if max_norm > 0:  # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the local shards
-                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-                torch._foreach_mul_([g._local_tensor for g in grads], coef.to(grads[0]._local_tensor.device))
+                local = [local_shard(g) for g in grads]
+                torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(local[0].device))
             return total
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(total, DTensor):
