@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants  # noqa: E402
+from attention_checks import float64_selection, make_inputs, run_sweep, same_rows, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
@@ -57,7 +57,7 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=32),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
-    # per chunk; the first is the CUDA default
+    # per chunk; the first is the CUDA default. Each is held to the float64 selection (float64_selection).
     "select": [dict(rows=128, CI=64, num_warps=4, num_stages=3), dict(rows=64, CI=64, num_warps=4, num_stages=3),
                dict(rows=256, CI=64, num_warps=8, num_stages=3), dict(rows=128, CI=32, num_warps=4, num_stages=3),
                dict(rows=128, CI=128, num_warps=4, num_stages=3), dict(rows=128, CI=64, num_warps=8, num_stages=3),
@@ -85,14 +85,18 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
         "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
         "sel_dkdv": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
-        "select": lambda c: (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
-                                                  p.slc_top_n, cfg=c),),
+        "select": lambda c: (torch.sort(select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
+                                                             p.slc_top_n, cfg=c), -1).values,),
     }
+    # The selection against float64, not against its own default: a launch shape that rounds differently
+    # (a tf32 map, 2026-11-26) must not make the others look wrong.
+    refs = {"select": lambda: (torch.sort(float64_selection(q, kc, p), -1).values,)}
     out = dict(config=name, T=T, B=B, G=G)
     for bt in TILES:
         out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
     for kname, fn in ((k, jobs[k]) for k in kernels):
-        res, best = time_variants(fn, VARIANTS[kname], fn(VARIANTS[kname][0]))
+        ref = refs[kname]() if kname in refs else fn(VARIANTS[kname][0])
+        res, best = time_variants(fn, VARIANTS[kname], ref, same_fn=same_rows if kname in refs else None)
         out[kname] = res
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "

@@ -35,11 +35,9 @@ TUNED: dict[tuple, dict] = {
     # Selected dK/dV (selected_bwd.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
     # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
     ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
-    # Selection (select.py): with the sorted merge m7c keeps the default 3 stages (one stage was 0.255 -> 0.240 ms
-    # with the topk merge, sweep_selected_m7c_dkdv_select_*; sorted: 0.188 with one, 0.181 with three). The 1b
-    # (G 16, head dim 128) runs fastest with 64 rows: 128 rows topk 0.190 ms at 8k batch 2, 64 rows topk 0.167,
-    # 64 rows sorted 0.160 (sweep_selected_sorted_merge_*).
-    ("select", 16, 128, False): dict(rows=64),
+    # Selection (select.py): the default 128 rows / 4 warps / 3 stages is fastest for m7c, the 1b, qwen7b and the
+    # paper config since its overlap map is an fp32 FMA dot (H100, 8k batch 2, selvar_*: the 1b 0.156 ms with 64 rows,
+    # 0.138 with 128; it had its own 64-row entry while the map ran as a tf32 dot). No entry needed.
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
     # 1.931 ms (sweep_selected_prefetch_*).
