@@ -243,7 +243,9 @@ def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names):
     errs = {"out": rel(out, ref)}
     errs.update({"d" + n: rel(g, r) for n, g, r in zip(names, grads, rgrads)})
     finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(out).all())
-    ok = max(errs.values()) < 1e-2 and finite and determ and gap < 1e-2
+    # Selection gap: fp32 importances leave ~1e-7 against float64 (0 to 1e-7 measured); a tf32 overlap map left
+    # ~3e-4 in 0.4 % of rows and passed the old 1e-2 bound (select_precision_H100.md).
+    ok = max(errs.values()) < 1e-2 and finite and determ and gap < 1e-4
     row = dict(B=B, T=T, HQ=HQ, HKV=HKV, DK=DK, DV=DV, ok=ok, worst=max(errs.values()), errs=errs,
                deterministic=determ, sel_max_gap=gap, sel_same_rows=same)
     print(f"check B={B} T={T} HQ={HQ} HKV={HKV} Dk={DK} Dv={DV}: ok={ok} worst={row['worst']:.2e} "
