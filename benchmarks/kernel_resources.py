@@ -49,12 +49,11 @@ def parse_usage(text: str) -> dict:
     return {k: int(v) for k, v in (f.split(":", 1) for f in line.split() if ":" in f and f.split(":", 1)[1].isdigit())}
 
 
-def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile ``fn`` for sm_90 with these constexprs (ints are i32, ``*scale`` args fp32, pointers 16-byte
-    aligned as in real launches) -> registers, stack bytes, shared bytes, LDL/STL/HGMMA counts."""
-    names = fn.arg_names
+def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int):
+    """``fn`` compiled for sm_90 (no GPU needed) with these constexprs; other ints are i32, ``*scale`` args fp32,
+    pointers 16-byte aligned as in real launches. -> Triton's compiled kernel (``.asm`` holds ttir ... cubin)."""
     sig, attrs, const = {}, {}, {}
-    for i, n in enumerate(names):
+    for i, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n], const[(i,)] = "constexpr", consts[n]
         elif n in pointers:
@@ -62,7 +61,13 @@ def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages:
         else:
             sig[n] = "fp32" if n.endswith("scale") else "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` for sm_90 (compile_sm90) -> registers, stack bytes, shared bytes, LDL/STL/HGMMA counts."""
+    k = compile_sm90(fn, consts, pointers, num_warps, num_stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

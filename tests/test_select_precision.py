@@ -3,11 +3,11 @@
 Triton's combiner turns a broadcast-multiply-sum of dot-sized tiles (``sum(a[:, :, None] * b[None], 1)``, 16 rows
 and more) into ``tt.dot`` at its default tf32 input precision. select.py's eq. 9 overlap map was written that way,
 so on an H100 every program of 16 tokens or more rounded the group-summed probabilities to tf32 (rel. ~5e-4) and
-0.4 % of m7c's rows at 8k picked other blocks than a float64 selection (`seltile`, 2026-11-26); the interpreter
-computes the broadcast in fp32 and could not see it. This test compiles the kernel for sm_90 (no GPU needed:
-Triton's own compiler and ptxas) at the tile shapes the launcher picks and fails if any fp32 dot runs at plain
-tf32. Compiled in a child process: the kernel must be a JIT function, not the interpreter's, whatever
-TRITON_INTERPRET the test process has.
+0.4 % of m7c's rows at 8k picked other blocks than a float64 selection (select_precision_H100.md, 2026-11-26);
+the interpreter computes the broadcast in fp32 and could not see it. This test compiles the kernel for sm_90 (no
+GPU needed: Triton's own compiler, through benchmarks/kernel_resources.compile_sm90) at the tile shapes the
+launcher picks and fails if any fp32 dot runs at plain tf32. Compiled in a child process: the kernel must be a
+JIT function, not the interpreter's, whatever TRITON_INTERPRET the test process has.
 """
 
 from __future__ import annotations
@@ -21,26 +21,14 @@ import pytest
 
 CHILD = r"""
 import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from kernel_resources import compile_sm90
 from nsa_titan.kernels import select
-fn = select._select_kernel
 out = []
 for BT, GP, DK in json.loads(sys.argv[1]):
     consts = dict(CD=16, CL=32, LP=64, R=4, LD=2, NSEL=16, W=16, BT=BT, GP=GP, CI=64, BJ=15, DK=DK, DKP=DK,
                   DOC=False, SORTED_MERGE=True)
     ptr = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "IDX": "*i64", "DS": "*fp32"}
-    sig, attrs, const = {}, {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in consts:
-            sig[n], const[(i,)] = "constexpr", consts[n]
-        elif n in ptr:
-            sig[n], attrs[(i,)] = ptr[n], [["tt.divisibility", 16]]
-        else:
-            sig[n] = "fp32" if n.endswith("scale") else "i32"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, num_stages=3))
+    k = compile_sm90(select._select_kernel, consts, ptr, num_warps=4, num_stages=3)
     dots = []
     for line in k.asm["ttir"].splitlines():
         if "tt.dot" in line:
@@ -61,7 +49,7 @@ def test_selection_importance_dot_is_not_plain_tf32():
     shapes = [(16, 8, 64), (32, 8, 64), (4, 16, 128), (8, 8, 128)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, "benchmarks"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shapes)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
