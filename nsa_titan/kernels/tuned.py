@@ -35,9 +35,12 @@ TUNED: dict[tuple, dict] = {
     # Selected dK/dV (selected_bwd.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
     # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
     ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
-    # Selection (select.py): the default 128 rows / 4 warps / 3 stages is fastest for m7c, the 1b, qwen7b and the
-    # paper config since its overlap map is an fp32 FMA dot (H100, 8k batch 2, selvar_*: the 1b 0.156 ms with 64 rows,
-    # 0.138 with 128; it had its own 64-row entry while the map ran as a tf32 dot). No entry needed.
+    # Selection (select.py): the default 128 rows / 4 warps / 3 stages is fastest for the 1b, qwen7b and the paper
+    # config since its overlap map is an fp32 FMA dot (H100, 8k batch 2, select_precision_H100.md: the 1b 0.156 ms
+    # with 64 rows, 0.138 with 128; it had its own 64-row entry while the map ran as a tf32 dot). m7c (G 6, head
+    # dim 64) at 32k: 256 rows / 8 warps 0.923 ms against 0.99-1.04 for the default in the same sweep; at 8k all
+    # within noise, 0.1945 vs 0.1939-0.1966 (sweep_selected_select_32k_*, sweep_selected_float64ref_*).
+    ("select", 8, 64, False): dict(rows=256, num_warps=8),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
     # 1.931 ms (sweep_selected_prefetch_*).
