@@ -37,25 +37,37 @@ def token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, sv
 
 
 @triton.jit
-def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-             T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
-             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-             DOC: tl.constexpr):
+def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr,
+                DKP: tl.constexpr, DOC: tl.constexpr):
+    """The token-centric walks' (forward, dQ recompute) program: token t of one (batch, KV head), its G query
+    heads as rows (padded to GR). -> (t, b, kv, h, row_ok, q rows, token t's block indices, s_min: the first key
+    t may see: its document's start, else 0; unused slots, block -1, fall below it)."""
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
     row_ok = g < G
     h = kv * G + g
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    dk = tl.arange(0, DKP)
     q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
+    s_min = 0
+    if DOC:
+        s_min = tl.load(DS + b * T + t)
+    return t, b, kv, h, row_ok, q, idx_base, s_min
+
+
+@triton.jit
+def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+             T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
+             GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+             DOC: tl.constexpr):
+    t, b, kv, h, row_ok, q, idx_base, s_min = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL, GR, DK, DKP,
+                                                          DOC)
+    dv = tl.arange(0, DVP)
     m_i = tl.full([GR], -1e30, tl.float32)
     l_i = tl.zeros([GR], tl.float32)
     acc = tl.zeros([GR, DVP], tl.float32)
-    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
-    s_min = 0  # keys before the token's document are masked (unused slots, block -1, are below 0)
-    if DOC:
-        s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
         kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,

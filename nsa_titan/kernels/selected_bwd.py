@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected import _cfg, _consts, token_slot_kv
+from nsa_titan.kernels.selected import _cfg, _consts, token_group, token_slot_kv
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
 
 
@@ -43,23 +43,14 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
                 NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                 DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
     """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
+    t, b, kv, h, row_ok, q, idx_base, s_min = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL, GR, DK, DKP,
+                                                          DOC)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
                  mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     dq = tl.zeros([GR, DKP], tl.float32)
-    idx_base = IDX + ((b * HKV + kv) * T + t) * NSEL
-    s_min = 0  # keys before the token's document are masked (unused slots, block -1, are below 0)
-    if DOC:
-        s_min = tl.load(DS + b * T + t)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, NSEL, NPI):
         kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
