@@ -57,7 +57,8 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=32),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
-    # per chunk; the first is the CUDA default. Each is held to the float64 selection (float64_selection).
+    # per chunk; the first is the heuristic default (tuned.py picks 256 rows / 8 warps for m7c). Each is held to
+    # the float64 selection (float64_selection).
     "select": [dict(rows=128, CI=64, num_warps=4, num_stages=3), dict(rows=64, CI=64, num_warps=4, num_stages=3),
                dict(rows=256, CI=64, num_warps=8, num_stages=3), dict(rows=128, CI=32, num_warps=4, num_stages=3),
                dict(rows=128, CI=128, num_warps=4, num_stages=3), dict(rows=128, CI=64, num_warps=8, num_stages=3),
