@@ -48,10 +48,10 @@ def job_config(*overrides: str, n_layers: int = 2, ga: int = 1):
                             str(n_layers), "--training.grad_accum_steps", str(ga), *overrides])
 
 
-def opt_cfg():
+def opt_cfg(shard_local: bool = True):
     # Large lr and weight decay: a wrong decay group or update shows up in the later steps' losses.
     return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=False,
-                           shard_local=True)
+                           shard_local=shard_local)
 
 
 def global_batches(step: int, ga: int, vocab: int) -> list[dict[str, torch.Tensor]]:
@@ -126,7 +126,7 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     # optimizer.shard_local from the case's overrides: FSDP2 clips and steps on local shards or through DTensor
     shard_local = cfg.optimizer.shard_local
     with full_param_shapes(model):
-        opt = build_optimizer(model, SimpleNamespace(**{**vars(opt_cfg()), "shard_local": shard_local}), "cpu")
+        opt = build_optimizer(model, opt_cfg(shard_local), "cpu")
     params = [p for p in model.parameters()]
     rank, losses, grads, norms = dist.get_rank(), [], [], []
     sync_every = cfg.parallelism.grad_sync == "every_micro_batch"

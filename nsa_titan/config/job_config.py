@@ -135,8 +135,9 @@ class Optimizer:
     """Fused AdamW kernel: 'auto' (on for CUDA), true or false."""
     shard_local: bool = True
     """FSDP2: clip gradients and step AdamW on each rank's local shards instead of through DTensor dispatch (the
-    same arithmetic, less host time per step: it matters when steps are short). false: the DTensor path, for
-    comparison. No effect without FSDP2."""
+    same arithmetic, less host time: clip + step 13.15 -> 3.58 ms at m7c's size on an H100; compiled m7c's step on
+    2 H200s did not change, the optimizer was off its critical path). false: the DTensor path, for comparison.
+    No effect without FSDP2."""
 
     def validate(self) -> None:
         _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr",

@@ -87,7 +87,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
         # eq. 9 map as an fp32 FMA dot ("ieee"): exact, and the fastest of five ways on an H100 (8k batch 2: m7c
         # 0.152 ms, against 0.182 for the broadcast-multiply-sum this replaced, which Triton turned into a tf32
         # dot from 16 tokens per program on: rel. error ~5e-4, so 0.4 % of m7c's rows chose other blocks than
-        # float64; tf32x3 0.271, two fp16 or tf32 halves 0.187-0.191; selvar_* in benchmarks/results).
+        # float64; tf32x3 0.271, two fp16 or tf32 halves 0.187-0.191; benchmarks/results/select_precision_H100.md).
         imp = tl.dot(pg, w, input_precision="ieee")  # [BT, W]
         forced = (j[None, :] == first[:, None]) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
         imp = tl.where(forced, float("inf"), imp)
