@@ -397,7 +397,8 @@ def main():
                  (1, 1531, 6, 6, 32, 32, NSAParams(16, 8, 32, 4, 64), 1531),  # G=1, odd T
                  (1, 4099, 32, 1, 192, 128, NSAParams(32, 16, 64, 16, 512), 512),  # G=32, Dk != Dv
                  (1, 8192, 64, 4, 128, 128, PAPER["p"], 256),
-                 (1, 16384, 12, 2, 64, 64, M7C["p"], 1024)]
+                 (1, 16384, 12, 2, 64, 64, M7C["p"], 1024),
+                 (8, 2048, 12, 2, 64, 64, M7C["p"], 1024)]  # m7c's 2k batch 8: the selected branch's causal prefix
         if not a.quick:
             cases.append((1, 65536, 16, 1, 128, 128, PAPER["p"], 512))
         payload["check"] = check(cases)

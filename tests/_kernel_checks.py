@@ -26,6 +26,16 @@ DOC_CASES = [
     ("doc_g6", 1, 130, 12, 2, 16, 16, (16, 8, 16, 4, 24), "float32", [[0, 7, 33, 96]]),
     ("doc_g16_tiny_docs", 1, 70, 16, 1, 32, 32, (8, 8, 8, 5, 12), "float32", [[0, 1, 35, 36, 69]]),
 ]
+# The selected branch's causal prefix (selected.causal_prefix; element 10, element 9 the documents or None): the
+# whole prefix n * l', a shorter one, one inside documents, and a sequence short enough that every token is in it
+# (-1, automatic). The interpreter runs the token-centric sparse kernels, so without these the prefix would be
+# tested only by the last kind.
+PREFIX_CASES = [
+    ("prefix_g6_hkv2", 1, 80, 12, 2, 16, 16, (16, 8, 16, 3, 24), "float32", None, 48),
+    ("prefix_short_b2", 2, 77, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float32", None, 20),
+    ("prefix_doc_g6", 1, 130, 12, 2, 16, 16, (16, 8, 16, 4, 24), "float32", [[0, 7, 33, 96]], 64),
+    ("prefix_all_doc", 1, 60, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float32", [[0, 23, 40]], -1),
+]
 TOL = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 2e-2}
 
 
@@ -50,7 +60,8 @@ def run_case(case, device):
     from nsa_titan.models.nsa.common import NSAParams
 
     name, B, T, HQ, HKV, DK, DV, geo, dt = case[:9]
-    doc = doc_starts(case[9], T).to(device) if len(case) > 9 else None
+    doc = doc_starts(case[9], T).to(device) if len(case) > 9 and case[9] is not None else None
+    prefix = case[10] if len(case) > 10 else -1
     p = NSAParams(*geo)
     dtype = getattr(torch, dt)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # not hash(): it changes with each process
@@ -71,7 +82,10 @@ def run_case(case, device):
         out.backward(dout.to(out.dtype))
         return out.detach(), sel, [x.grad for x in xs]
 
-    out, idx, grads = run(nsa_attention, ins)
+    def fast(*a, **kw):
+        return nsa_attention(*a, **kw, causal_prefix=prefix)
+
+    out, idx, grads = run(fast, ins)
     ref_out, chosen, ref_grads = run(reference.nsa_attention, [x.double() for x in ins])
     errs["out"] = rel_err(out, ref_out)
     names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
@@ -85,7 +99,7 @@ def run_case(case, device):
     # Same indices in the same order as the portable path (descending importance, ties to the lower index).
     _, ti_idx = torch_impl.nsa_attention(*[x.float() for x in ins], p, doc_start=doc)
     order_ok = bool((ti_idx == idx).all())
-    _, _, grads2 = run(nsa_attention, ins)
+    _, _, grads2 = run(fast, ins)
     determ = all(a is None or bool(torch.equal(a, b)) for a, b in zip(grads, grads2))
     worst = max(errs.values())
     ok = worst < TOL[dt] and sel_ok and order_ok and determ and all(

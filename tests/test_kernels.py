@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from _kernel_checks import CASES, CHECKS, DOC_CASES, run_case
+from _kernel_checks import CASES, CHECKS, DOC_CASES, PREFIX_CASES, run_case
 
 
 def main(device: str) -> None:
-    for case in CASES + DOC_CASES:
+    for case in CASES + DOC_CASES + PREFIX_CASES:
         t0 = time.time()
         try:
             res = run_case(case, device)
@@ -58,7 +58,7 @@ def verdicts():
     return found
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES] + [name for name, _ in CHECKS])
+@pytest.mark.parametrize("name", [c[0] for c in CASES + DOC_CASES + PREFIX_CASES] + [name for name, _ in CHECKS])
 def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"
@@ -82,6 +82,27 @@ def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
         assert keys.dtype == dtype
         assert torch.equal(keys.long(), want)
         assert torch.equal(off, torch.searchsorted(want, torch.arange(nb + 1).view(1, -1) * (T * n)))
+
+
+def test_causal_prefix_is_every_token_up_to_n_blocks_and_refuses_more():
+    """The selected branch runs as causal attention for the tokens that select all their candidate blocks
+    (t < n * l'): every token of a sequence that short; a request past n * l' would be wrong and is refused; on the
+    CPU (token-centric sparse kernels) a longer sequence gets no prefix unless asked."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels.selected import causal_prefix
+
+    n, lp, G = 4, 16, 2
+    q, v = torch.zeros(1, 64, 4, 8), torch.zeros(1, 64, 2, 8)
+    assert causal_prefix(q, v, G, n, lp) == 64  # T = n * l'
+    assert causal_prefix(q[:, :40], v[:, :40], G, n, lp) == 40
+    long_q, long_v = torch.zeros(1, 200, 4, 8), torch.zeros(1, 200, 2, 8)
+    assert causal_prefix(long_q, long_v, G, n, lp) == 0
+    assert causal_prefix(long_q, long_v, G, n, lp, requested=64) == 64
+    assert causal_prefix(q[:, :40], v[:, :40], G, n, lp, requested=64) == 40
+    with pytest.raises(ValueError, match="at most n \\* l' = 64"):
+        causal_prefix(long_q, long_v, G, n, lp, requested=65)
 
 
 def test_kernel_resources_reads_cuobjdump_usage_lines():

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.combine import pow2, rowdot
+from nsa_titan.kernels.combine import add_splits, pow2, rowdot
 from nsa_titan.kernels.tuned import TUNED
 
 LOG2E = 1.4426950408889634
@@ -197,18 +197,18 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
 
 @triton.jit
 def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-              T, S, HKV, qk_scale, G: tl.constexpr,
+              T, TQ, S, HKV, qk_scale, G: tl.constexpr,
               KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
               BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m * ROWS, kv, T * G, G, ROWS)
+    t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     t_lo = (pid_m * ROWS) // G
-    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, T - 1)
+    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
     i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
@@ -236,7 +236,7 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
 
 @triton.jit
 def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                 T, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
+                 T, TQ, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                  BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
@@ -245,7 +245,7 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m * ROWS, kv, T * G, G, ROWS)
+    t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
     q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -254,7 +254,7 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     t_lo = (pid_m * ROWS) // G
-    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, T - 1)
+    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
     i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
     ds = _doc_rows(DS, b, t, row_ok, T, DOC)
     i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
@@ -279,7 +279,7 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
 
 @triton.jit
 def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                   T, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
+                   T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
@@ -295,16 +295,16 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                 mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
     pos = i * KSTRIDE + KOFF
     q_lo = pid_n * BK * KSTRIDE + KOFF
-    q_hi = T
+    q_hi = TQ
     if WIN > 0:
-        q_hi = tl.minimum(T, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
+        q_hi = tl.minimum(TQ, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
     q_lo, q_hi = q_lo * G, q_hi * G  # as packed rows
     chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), ROWS) * ROWS
     lo = q_lo + pid_s * chunk
     hi = tl.minimum(lo + chunk, q_hi)
     acc_k = tl.zeros([BK, DKP], tl.float32)
     acc_v = tl.zeros([BK, DVP], tl.float32)
-    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, T, G, KSTRIDE, KOFF, WIN,
+    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, TQ, G, KSTRIDE, KOFF, WIN,
                                ROWS, SPLIT)
     for r0 in range(lo, m1, ROWS):
         acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
@@ -362,31 +362,39 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
     return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 
-def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None, doc_start=None):
+def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None, doc_start=None,
+             n_queries: int | None = None, out: tuple | None = None):
     """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2).
-    ``doc_start`` [B,T] int32 contiguous or None (see the module doc)."""
+    ``doc_start`` [B,T] int32 contiguous or None (see the module doc). ``n_queries``: only the first n query
+    tokens (the rest of o and lse is left as it was); ``out``: (o, lse) to write into instead of new tensors
+    (lse contiguous)."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
-    o = q.new_empty(B, T, HQ, DV)
-    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    tq = T if n_queries is None else n_queries
+    o, lse = out if out is not None else (q.new_empty(B, T, HQ, DV),
+                                          torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     rows, bk, kw = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
-    grid = (triton.cdiv(T * G, rows), B * HKV)
+    grid = (triton.cdiv(tq * G, rows), B * HKV)
     _band_fwd[grid](q, k, v, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3], *k.stride()[:3],
-                    *v.stride()[:3], *o.stride()[:3], T, S, HKV, DK**-0.5 * LOG2E, G=G, KSTRIDE=kstride, KOFF=koff,
-                    WIN=window, ROWS=rows, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)),
-                    DOC=doc_start is not None, **kw)
+                    *v.stride()[:3], *o.stride()[:3], T, tq, S, HKV, DK**-0.5 * LOG2E, G=G, KSTRIDE=kstride,
+                    KOFF=koff, WIN=window, ROWS=rows, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
+                    DVP=pow2(max(DV, 16)), DOC=doc_start is not None, **kw)
     return o, lse
 
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
-             cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None):
+             cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, n_queries: int | None = None,
+             dkv_acc: tuple | None = None):
     """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
     ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
-    ``doc_start`` as in band_fwd."""
+    ``doc_start`` as in band_fwd; ``n_queries`` as in band_fwd (dQ rows past it are not written);
+    ``dkv_acc``: (dk, dv) of at least S rows: add this call's dK/dV to their first S rows (in fp32, one rounding)
+    and return them."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
+    tq = T if n_queries is None else n_queries
     do = do.contiguous()
     if delta is None:
         delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
@@ -396,15 +404,20 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     rows, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-    _band_bwd_dq[(triton.cdiv(T * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, S, HKV,
-                                                      DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
-                                                      ACC=dq_acc is not None, **kw)
+    _band_bwd_dq[(triton.cdiv(tq * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV,
+                                                       DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
+                                                       ACC=dq_acc is not None, **kw)
     rows, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
-    nsplit = _num_splits(T, triton.cdiv(S, bk) * B * HKV, window, q.device)
+    nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
-            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, ROWS=rows, BK=bk, **dims, **kw)
-    return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
+    if dkv_acc is None:
+        return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
+    dk, dv = dkv_acc
+    add_splits(dkp, dk)
+    add_splits(dvp, dv)
+    return dq, dk, dv

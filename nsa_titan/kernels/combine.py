@@ -116,3 +116,32 @@ def combine_bwd(dout, o_c, o_s, o_w, gates):
     _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, delta, n, D=d,
                                         DP=pow2(max(d, 16)), BR=br)
     return doc, dos, dow, dg.to(gates.dtype), delta
+
+
+@triton.jit
+def _add_splits(P, X, N, S, T, HKV, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+    """X[b, i, kv] (the first S token rows of a [B, T, HKV, D] tensor) += the sum of the NSPLIT fp32 partials
+    P[:, b, i, kv] ([NSPLIT, B, S, HKV, D]), in fp32 in split order, rounded once: one kernel for what took
+    five torch ops per tensor (sum, two casts, add, slice copy)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)  # (b * S + i) * HKV + kv
+    d = tl.arange(0, DP)
+    m = (r < N)[:, None] & (d[None, :] < D)
+    b = r // (S * HKV)
+    x_ptr = X + ((b * T * HKV + r - b * (S * HKV)).to(tl.int64) * D)[:, None] + d[None, :]
+    acc = tl.load(x_ptr, mask=m, other=0.0).to(tl.float32)
+    for sp in range(0, NSPLIT):
+        acc += tl.load(P + ((sp * N + r).to(tl.int64) * D)[:, None] + d[None, :], mask=m, other=0.0)
+    tl.store(x_ptr, acc.to(X.dtype.element_ty), mask=m)
+
+
+def add_splits(part, x) -> None:
+    """x [B, T, H, D] (contiguous): its first S token rows += part.sum(0) for fp32 partials part [NSPLIT, B, S, H, D],
+    summed in fp32 and rounded once (band.band_bwd's dkv_acc)."""
+    nsplit, B, S, H, D = part.shape
+    if not (x.is_contiguous() and x.shape[0] == B and x.shape[1] >= S and x.shape[2:] == (H, D)):
+        raise ValueError(f"add_splits: need a contiguous [{B}, >= {S}, {H}, {D}] tensor, got {tuple(x.shape)} "
+                         f"(contiguous={x.is_contiguous()})")
+    n = B * S * H
+    if n:
+        _add_splits[(triton.cdiv(n, 64),)](part, x, n, S, x.shape[1], H, nsplit, D=D, DP=pow2(max(D, 16)), BR=64,
+                                           num_warps=4)

@@ -27,8 +27,22 @@ def _like(x: Tensor, shape=None, dtype=None) -> Tensor:
     return torch.empty(x.shape if shape is None else shape, dtype=dtype or x.dtype, device=x.device)
 
 
+def _sparse_rows(block_idx: Tensor, prefix: int) -> Tensor:
+    """block_idx with the slots of the first ``prefix`` tokens unused (-1): the sparse kernels skip those
+    tokens, whose selected branch runs as causal attention (selected.causal_prefix)."""
+    if prefix == 0:
+        return block_idx
+    t = torch.arange(block_idx.shape[2], device=block_idx.device)
+    return torch.where((t < prefix)[:, None], -1, block_idx)
+
+
+def _prefix(q, k_slc, v_slc, block_idx_or_n, slc_block, causal_prefix):
+    n = block_idx_or_n if isinstance(block_idx_or_n, int) else block_idx_or_n.shape[-1]
+    return selected.causal_prefix(q, v_slc, q.shape[2] // k_slc.shape[2], n, slc_block, causal_prefix)
+
+
 def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n,
-                  window, doc_start):
+                  window, doc_start, causal_prefix):
     b, t, hq, _ = q.shape
     if k_cmp.shape[1] == 0:  # static shape: shorter than one compression block, nothing is visible
         o_cmp = q.new_zeros(b, t, hq, v_cmp.shape[-1])
@@ -37,11 +51,20 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
         o_cmp, lse_cmp = band.band_fwd(q, k_cmp, v_cmp, cmp_stride, cmp_block - 1, 0, doc_start=doc_start)
     block_idx = select.select_blocks(q, k_cmp, lse_cmp, cmp_block, cmp_stride, slc_block, top_n,
                                      doc_start=doc_start)
-    o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start,
-                                            with_pairs=True)
+    prefix = _prefix(q, k_slc, v_slc, top_n, slc_block, causal_prefix)
+    keys = None
+    # The prefix is causal attention: band geometry (stride 1, offset 0) without a window.
+    if prefix == t:  # every token selects all its candidate blocks
+        o_slc, lse_slc = band.band_fwd(q, k_slc, v_slc, 1, 0, 0, doc_start=doc_start)
+    else:
+        o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, _sparse_rows(block_idx, prefix), slc_block,
+                                                doc_start=doc_start, with_pairs=True)
+        if prefix:  # the prefix's rows, over its own keys (a token t < prefix sees keys <= t only)
+            band.band_fwd(q, k_slc[:, :prefix], v_slc[:, :prefix], 1, 0, 0, doc_start=doc_start,
+                          n_queries=prefix, out=(o_slc, lse_slc))
     o_win, lse_win = band.band_fwd(q, k_win, v_win, 1, 0, window, doc_start=doc_start)
     out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
-    if keys is None:  # token-centric forward: the backward sorts the pairs itself
+    if keys is None:  # token-centric forward or no sparse tokens: the backward sorts the pairs itself
         keys = block_idx.new_empty(0, dtype=torch.int32)
     return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys
 
@@ -50,24 +73,25 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 @custom_op("nsa_titan::nsa_fwd", mutates_args=())
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-            window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                      Tensor, Tensor, Tensor]:
+            window: int, doc_start: Tensor | None = None, causal_prefix: int = -1) -> tuple[
+                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> out, block_idx, per branch (o, lse) for the backward (cmp, slc, win), and the selected branch's sorted
     (block, token, slot) keys when its forward is block-centric (else empty), which the backward reuses instead
     of sorting again. ``doc_start`` [B, T] int32 contiguous or None: document masking in every branch
-    (reference.py's rules)."""
+    (reference.py's rules). ``causal_prefix``: see selected.causal_prefix (-1: automatic)."""
     return _branches_fwd(*map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)), gates.contiguous(),
-                         cmp_block, cmp_stride, slc_block, top_n, window, doc_start)
+                         cmp_block, cmp_stride, slc_block, top_n, window, doc_start, causal_prefix)
 
 
 @nsa_fwd.register_fake
 def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
-      doc_start=None):
+      doc_start=None, causal_prefix=-1):
     b, t, hq, _ = q.shape
     hkv = k_slc.shape[2]
     o = _like(q, (b, t, hq, v_slc.shape[-1]))
     lse = _like(q, (b, t, hq), torch.float32)
-    if selected.forward_sorts_pairs(q, v_slc, hq // hkv, top_n, slc_block):
+    sparse = _prefix(q, k_slc, v_slc, top_n, slc_block, causal_prefix) < t
+    if sparse and selected.forward_sorts_pairs(q, v_slc, hq // hkv, top_n, slc_block):
         nb = -(-t // slc_block)
         keys = _like(q, (b * hkv, t * top_n), pair_key_dtype(nb, t * top_n))
     else:
@@ -80,15 +104,27 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
 def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
             lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int, cmp_stride: int,
-            slc_block: int, window: int, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                                   Tensor, Tensor, Tensor, Tensor]:
+            slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1) -> tuple[
+                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
-    rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums)."""
+    rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums).
+    ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
-    dq, dk_slc, dv_slc = selected_bwd.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, block_idx.contiguous(),
-                                          slc_block, delta=delta[1], doc_start=doc_start,
-                                          keys=pair_keys if pair_keys.numel() else None)
+    t = q.shape[1]
+    prefix = _prefix(q, k_slc, v_slc, block_idx, slc_block, causal_prefix)
+    if prefix == t:
+        dq, dk_slc, dv_slc = band.band_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
+                                           doc_start=doc_start)
+    else:
+        dq, dk_slc, dv_slc = selected_bwd.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc,
+                                                  _sparse_rows(block_idx.contiguous(), prefix), slc_block,
+                                                  delta=delta[1], doc_start=doc_start,
+                                                  keys=pair_keys if pair_keys.numel() else None)
+        if prefix:  # the prefix rows' dQ (added to the sparse kernels' zeros) and their keys' dK/dV (added)
+            band.band_bwd(do_slc, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
+                          delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
+                          dkv_acc=(dk_slc, dv_slc))
     _, dk_win, dv_win = band.band_bwd(do_win, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
                                       dq_acc=dq, doc_start=doc_start)
     if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
@@ -101,16 +137,18 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
 
 @nsa_bwd.register_fake
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
-      o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None):
+      o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None, causal_prefix=-1):
     return tuple(_like(x) for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
 
 
 def _nsa_setup(ctx, inputs, output):
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc = inputs
+    (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc,
+     causal_prefix) = inputs
     _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc,
                           lse_slc, o_win, lse_win, keys, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
+    ctx.causal_prefix = causal_prefix
     ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys)
     # The eight auxiliary outputs never receive gradients: without this, autograd would allocate a zero
     # gradient for each of them (three [B, T, HQ, Dv] tensors: +37% peak memory, measured on an H100).
@@ -119,10 +157,10 @@ def _nsa_setup(ctx, inputs, output):
 
 def _nsa_backward(ctx, dout, *_unused):
     if dout is None:  # the combined output was not used: nothing flows back
-        return (None,) * 14
+        return (None,) * 15
     *saved, doc_start = ctx.saved_tensors
-    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start)
-    return (*grads, None, None, None, None, None, None)
+    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
@@ -130,14 +168,16 @@ nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
 OPS = {"nsa_fwd": nsa_fwd, "nsa_bwd": nsa_bwd}
 
 
-def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None):
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None, causal_prefix: int = -1):
     """Same contract as torch_impl.nsa_attention: (o [B,T,HQ,Dv], block_idx [B,HKV,T,n] int64, -1 unused).
 
     ``p`` is duck-typed: cmp_block (l), cmp_stride (d), slc_block (l'), slc_top_n (n), window (w).
     ``doc_start`` [B, T] (any integer dtype) or None: document masking (reference.py's rules).
+    ``causal_prefix``: leading tokens whose selected branch runs as causal attention, -1 automatic (the same
+    result either way; selected.causal_prefix says when it pays). Tests and A/B runs set it.
     """
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     out, block_idx, *_ = nsa_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p.cmp_block, p.cmp_stride,
-                                 p.slc_block, p.slc_top_n, p.window, doc_start)
+                                 p.slc_block, p.slc_top_n, p.window, doc_start, causal_prefix)
     return out, block_idx

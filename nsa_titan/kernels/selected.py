@@ -173,3 +173,27 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
 def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
     """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
     return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
+
+
+def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> int:
+    """How many leading tokens run the selected branch as plain causal attention (band.py) instead of the sparse
+    kernels. A token t < n * l' has at most n candidate blocks (0 .. t // l', fewer inside a document), so the
+    selection takes every one of them and its selected attention is exactly causal attention over [0, t] (within
+    its document): the dense band kernel computes it with full MMA tiles and no pair sort, merge or partials.
+
+    ``requested`` -1 (automatic): all T tokens when T <= n * l' (no sparse kernel runs at all; H100, m7c at 1k
+    batch 16: 1.36x the whole attention); the whole prefix n * l' when the forward runs block-centric and the
+    prefix holds at least half of the tokens (m7c at 2k batch 8: GPU time 1.95 -> 1.90 ms, the prefix's pairs
+    cost their share of every sparse kernel); else 0 (m7c at 8k batch 2, a 1/8 prefix: 2.39 -> 2.42 ms, the band
+    kernels' extra work outweighs the pairs saved; and the token-centric kernels walk all n slots of every token
+    anyway). benchmarks/results/causal_prefix_H100.md. Any other value is taken as asked (tests, A/B runs), at
+    most n * l'."""
+    T, limit = q.shape[1], n * slc_block
+    if requested > limit:
+        raise ValueError(f"causal_prefix={requested}: at most n * l' = {limit} tokens select every candidate "
+                         "block; use -1 (automatic) or a smaller value")
+    if requested >= 0:
+        return min(requested, T)
+    if T <= limit:
+        return T
+    return limit if T <= 2 * limit and forward_sorts_pairs(q, v, G, n, slc_block) else 0
