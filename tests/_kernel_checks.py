@@ -249,7 +249,7 @@ def _sel_bwd_paths_check(device):
 
 def _pair_table_check(device):
     """The selected branch's pair tables (one Triton kernel for the keys, torch.sort, one Triton kernel for the
-    block offsets, chunk offsets, partial-slot offsets and the programs' blocks) against their torch spec, on
+    block offsets, chunk offsets and partial-slot offsets, one for the programs' blocks) against their torch spec, on
     random selections with unused slots: one block, a few, many; chunks of 1, 3, 16 and 64 pairs (16: some
     blocks of exactly two chunks)."""
     import torch

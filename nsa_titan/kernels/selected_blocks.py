@@ -14,9 +14,9 @@ piece: the program writes its normalised output and log-sum-exp to the pair's sl
 Scheduling without host syncs: the (block, token, slot) triples are sorted by block (one key kernel and one
 torch.sort with static shapes); each block's pairs are cut into ceil(count / BT) chunks; a prefix sum gives every
 program its (block, chunk) through a static-size table of ceil(T * n / BT) + NB programs, the spare ones exit
-at once. One Triton kernel per table (``_pair_table``) does the searches and prefix sums that took ~20 small
-torch ops (H100, m7c at 8k: 123 -> 46 launches per forward+backward, host time 3.7 -> 2.9 ms). The spec of
-the tables is ``block_pairs_reference`` (torch).
+at once. Two Triton kernels per table (``_pair_table``, ``_pair_prog``) do the searches and prefix sums that took
+~20 small torch ops (H100, m7c at 8k: 123 -> 46 launches per forward+backward, host time 3.7 -> 2.9 ms). The spec
+of the tables is ``block_pairs_reference`` (torch).
 
 Also here: ``_sel_dq_sum``, the per-token sum of the dQ partials that the selected dK/dV walk can store.
 """
@@ -200,12 +200,11 @@ def _lower_bound(keys, target, zero, n, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _pair_table(KEYS, OFF, COFF, POFF, PROG, TN, NB, NCH, CH, LOGK: tl.constexpr, LOGB: tl.constexpr,
-                BB: tl.constexpr):
+def _pair_table(KEYS, OFF, COFF, POFF, TN, NB, CH, LOGK: tl.constexpr, BB: tl.constexpr):
     """One program per (b, kv) row of the sorted keys: off (each block's first pair: a lower-bound binary search
-    for block * T*n), coff (each block's first chunk of CH pairs, a running prefix sum), poff (the same over the
-    blocks cut into several chunks: their partial slots) and prog (every program's block: a binary search of
-    the program id in coff; NB for spare programs). Replaces ~20 small torch ops per table."""
+    for block * T*n), coff (each block's first chunk of CH pairs, a running prefix sum) and poff (the same over the
+    blocks cut into several chunks: their partial slots); _pair_prog then gives every program its block. The two
+    replace ~20 small torch ops per table."""
     row = tl.program_id(0).to(tl.int64)
     keys = KEYS + row * TN
     tab = row * (NB + 1)
@@ -226,12 +225,19 @@ def _pair_table(KEYS, OFF, COFF, POFF, PROG, TN, NB, NCH, CH, LOGK: tl.constexpr
     first = tl.arange(0, BB) == 0
     tl.store(COFF + tab + zero, zero, mask=first)
     tl.store(POFF + tab + zero, zero, mask=first)
-    tl.debug_barrier()  # coff is read back below by other threads of this program
-    for p0 in range(0, NCH, BB):
-        p = p0 + tl.arange(0, BB)
-        # prog = the number of blocks whose chunks all start at or before p: coff[1 + i] > p first fails there
-        lo = _lower_bound(COFF + tab + 1, p + 1, zero, NB, LOGB)
-        tl.store(PROG + row * NCH + p, lo, mask=p < NCH)
+
+
+@triton.jit
+def _pair_prog(COFF, PROG, NB, NCH, LOGB: tl.constexpr, BB: tl.constexpr):
+    """prog for BB program ids of one (b, kv) row: the block of each (NB for spare programs), a binary search in
+    coff. Its own grid: in _pair_table's one program per row these searches ran ~NCH/BB steps in series (m7c at
+    32k batch 1: two programs, ~0.06 ms per table on an H100)."""
+    pb, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    p = pb * BB + tl.arange(0, BB)
+    zero = tl.arange(0, BB) * 0
+    # prog = the number of blocks whose chunks all start at or before p: coff[1 + i] > p first fails there
+    lo = _lower_bound(COFF + row * (NB + 1) + 1, p + 1, zero, NB, LOGB)
+    tl.store(PROG + row * NCH + p, lo, mask=p < NCH)
 
 
 def pair_key_dtype(nb: int, tn: int) -> torch.dtype:
@@ -297,8 +303,9 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int, keys: torch.Tensor | 
     dev = block_idx.device
     off, coff, poff = (torch.empty(B * HKV, nb + 1, device=dev, dtype=torch.int32) for _ in range(3))
     prog = torch.empty(B * HKV, nch, device=dev, dtype=torch.int32)
-    _pair_table[(B * HKV,)](keys, off, coff, poff, prog, tn, nb, nch, bt, LOGK=tn.bit_length(),
-                            LOGB=nb.bit_length(), BB=256 if dev.type == "cuda" else 64, num_warps=4)
+    bb = 256 if dev.type == "cuda" else 64
+    _pair_table[(B * HKV,)](keys, off, coff, poff, tn, nb, bt, LOGK=tn.bit_length(), BB=bb, num_warps=4)
+    _pair_prog[(triton.cdiv(nch, bb), B * HKV)](coff, prog, nb, nch, LOGB=nb.bit_length(), BB=bb, num_warps=4)
     return keys, off, coff, poff, prog
 
 
