@@ -36,8 +36,7 @@ def _sparse_rows(block_idx: Tensor, prefix: int) -> Tensor:
     return torch.where((t < prefix)[:, None], -1, block_idx)
 
 
-def _prefix(q, k_slc, v_slc, block_idx_or_n, slc_block, causal_prefix):
-    n = block_idx_or_n if isinstance(block_idx_or_n, int) else block_idx_or_n.shape[-1]
+def _prefix(q, k_slc, v_slc, n, slc_block, causal_prefix):
     return selected.causal_prefix(q, v_slc, q.shape[2] // k_slc.shape[2], n, slc_block, causal_prefix)
 
 
@@ -112,7 +111,7 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
     t = q.shape[1]
-    prefix = _prefix(q, k_slc, v_slc, block_idx, slc_block, causal_prefix)
+    prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     if prefix == t:
         dq, dk_slc, dv_slc = band.band_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
                                            doc_start=doc_start)

@@ -181,13 +181,13 @@ def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> 
     selection takes every one of them and its selected attention is exactly causal attention over [0, t] (within
     its document): the dense band kernel computes it with full MMA tiles and no pair sort, merge or partials.
 
-    ``requested`` -1 (automatic): all T tokens when T <= n * l' (no sparse kernel runs at all; H100, m7c at 1k
-    batch 16: 1.76 -> 1.14 ms of GPU time for the whole attention); the whole prefix n * l' when the forward runs block-centric and the
-    prefix holds at least half of the tokens (m7c at 2k batch 8: GPU time 1.95 -> 1.90 ms, the prefix's pairs
-    cost their share of every sparse kernel); else 0 (m7c at 8k batch 2, a 1/8 prefix: 2.39 -> 2.42 ms, the band
-    kernels' extra work outweighs the pairs saved; and the token-centric kernels walk all n slots of every token
-    anyway). benchmarks/results/causal_prefix_H100.md. Any other value is taken as asked (tests, A/B runs), at
-    most n * l'."""
+    ``requested`` -1 (automatic), H100 GPU time of the whole attention in benchmarks/results/causal_prefix_H100.md:
+    - all T tokens when T <= n * l': no sparse kernel runs at all (m7c at 1k batch 16: 1.76 -> 1.14 ms);
+    - the whole prefix n * l' when the forward runs block-centric and the prefix holds at least half of the tokens:
+      the prefix's pairs cost their share of every sparse kernel (m7c at 2k batch 8: 1.95 -> 1.90 ms);
+    - else 0: a short prefix's band work outweighs the pairs it saves (m7c at 8k batch 2, a 1/8 prefix: 2.39 ->
+      2.42 ms), and the token-centric kernels walk all n slots of every token anyway.
+    Any other value is taken as asked (tests, A/B runs), at most n * l'."""
     T, limit = q.shape[1], n * slc_block
     if requested > limit:
         raise ValueError(f"causal_prefix={requested}: at most n * l' = {limit} tokens select every candidate "
