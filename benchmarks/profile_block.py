@@ -72,7 +72,8 @@ def profile_kernels(fn, iters: int = 5) -> dict:
     per_cat = defaultdict(float)
     for k, ms in per_kernel.items():
         per_cat[category(k)] += ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+    # Every kernel (not a top few): diffing an NSA block against a dense one needs the small ones too.
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return dict(kernel_ms=sum(per_kernel.values()), launches=sum(counts.values()) / iters,
                 categories=dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
                 top=[(k[:110], round(ms, 4), counts[k] // iters) for k, ms in top])

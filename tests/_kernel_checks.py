@@ -220,6 +220,26 @@ def _select_merge_check(device):
     return {"ok": len(same) == len(CASES) + len(DOC_CASES) - 1 and all(same.values()), "same": same}
 
 
+def _select_slot_order_check(device):
+    """What the token-centric kernels' slot bound (selected.token_group's n_used) rests on: the selection fills a
+    token's first min(n, t // l' - doc_start // l' + 1) slots (its candidate blocks) and leaves the rest -1, every
+    case. If a future selection left a gap, the token kernels would skip blocks it chose."""
+    import torch
+
+    bad = {}
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None:
+            continue
+        idx, lp = x["idx"], x["p"].slc_block
+        B, _, T, n = idx.shape
+        t = torch.arange(T, device=idx.device)
+        ds = torch.zeros(B, T, dtype=torch.long, device=idx.device) if x["doc"] is None else x["doc"].long()
+        count = (t // lp - ds // lp + 1).clamp(max=n)  # [B, T]
+        want = torch.arange(n, device=idx.device) < count[..., None]  # [B, T, n]
+        bad[case[0]] = int(((idx >= 0) != want[:, None]).sum())
+    return {"ok": len(bad) == len(CASES) + len(DOC_CASES) - 1 and not any(bad.values()), "bad": bad}
+
+
 def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
@@ -364,4 +384,5 @@ def _decode_fused_check(device):
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
+          ("select_slot_order", _select_slot_order_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check))

@@ -37,11 +37,16 @@ def token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, sv
 
 
 @triton.jit
-def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr,
-                DKP: tl.constexpr, DOC: tl.constexpr):
+def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP: tl.constexpr, NSEL: tl.constexpr, GR: tl.constexpr,
+                DK: tl.constexpr, DKP: tl.constexpr, DOC: tl.constexpr):
     """The token-centric walks' (forward, dQ recompute) program: token t of one (batch, KV head), its G query
     heads as rows (padded to GR). -> (t, b, kv, h, row_ok, q rows, token t's block indices, s_min: the first key
-    t may see: its document's start, else 0; unused slots, block -1, fall below it)."""
+    t may see: its document's start, else 0; unused slots, block -1, fall below it; n_used: the slots to walk).
+
+    n_used: token t has only t // l' - s_min // l' + 1 candidate blocks, and the selection lists its blocks
+    first and the unused slots (-1) last (select.py sorts every row by descending key), so slots past that count
+    are unused: the walk stops there instead of running masked MMAs on them (the first n l' tokens of a sequence
+    and of every document)."""
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
@@ -54,7 +59,8 @@ def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL: tl.constexpr, GR: tl
     s_min = 0
     if DOC:
         s_min = tl.load(DS + b * T + t)
-    return t, b, kv, h, row_ok, q, idx_base, s_min
+    n_used = tl.minimum(t // LP - s_min // LP + 1, NSEL)
+    return t, b, kv, h, row_ok, q, idx_base, s_min, n_used
 
 
 @triton.jit
@@ -62,14 +68,14 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
              T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
              GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
              DOC: tl.constexpr):
-    t, b, kv, h, row_ok, q, idx_base, s_min = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL, GR, DK, DKP,
-                                                          DOC)
+    t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
+                                                                  GR, DK, DKP, DOC)
     dv = tl.arange(0, DVP)
     m_i = tl.full([GR], -1e30, tl.float32)
     l_i = tl.zeros([GR], tl.float32)
     acc = tl.zeros([GR, DVP], tl.float32)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, NSEL, NPI):
+    for n0 in range(0, n_used, NPI):
         kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
                                     NSEL, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale

@@ -43,8 +43,8 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
                 NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                 DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
     """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
-    t, b, kv, h, row_ok, q, idx_base, s_min = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, NSEL, GR, DK, DKP,
-                                                          DOC)
+    t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
+                                                                  GR, DK, DKP, DOC)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
                  mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -52,7 +52,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     dq = tl.zeros([GR, DKP], tl.float32)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, NSEL, NPI):
+    for n0 in range(0, n_used, NPI):
         kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
                                     NSEL, DK, DV, DKP, DVP)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -79,7 +79,9 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
     dq = tl.zeros([GR, DKP], tl.float32)
     pair0 = ((b * HKV + kv) * T + t) * NSEL
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, NSEL, NPI):
+    # Token t has at most t // l' + 1 candidate blocks, listed first (selected.token_group's n_used; documents
+    # only lower the count, and their slots past it are unused too).
+    for n0 in range(0, tl.minimum(t // LP + 1, NSEL), NPI):
         slot = n0 + c // BS
         blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
         s_pos = blk * LP + c % BS
