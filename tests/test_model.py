@@ -183,3 +183,32 @@ def test_rope_is_the_rotate_half_formula_bit_for_bit(dtype):
     rq, rk = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
     dots = (rq[0, 10:] * rk[0, :-10]).sum(-1)  # every pair 10 positions apart: the same relative rotation
     assert torch.allclose(dots, dots[0].expand_as(dots), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,dv,t", [("mlp", 16, 37), ("mlp", 8, 37), ("mean", 16, 37), ("mlp", 16, 5)])
+def test_compress_pair_is_both_compressors(kind, dv, t):
+    """attention.compress_pair (the keys' and values' phi as batched matmuls) gives each Compressor's own output and
+    the same gradients, and falls back to them where it cannot batch (phi = mean, Dv != Dk, fewer than l tokens)."""
+    from nsa_titan.models.nsa.attention import Compressor, compress_pair
+
+    torch.manual_seed(0)
+    ck, cv = Compressor(16, 8, 4, kind), Compressor(dv, 8, 4, kind)
+    ck.init_weights()
+    cv.init_weights()
+    k0, v0 = torch.randn(2, t, 3, 16), torch.randn(2, t, 3, dv)
+    outs, grads = [], []
+    for fn in (lambda k, v: compress_pair(ck, cv, k, v), lambda k, v: (ck(k), cv(v))):
+        k, v = k0.clone().requires_grad_(True), v0.clone().requires_grad_(True)
+        ok, ov = fn(k, v)
+        params = [p for m in (ck, cv) for p in m.parameters()]
+        outs.append((ok.detach(), ov.detach()))
+        if not ok.requires_grad:  # fewer than l tokens: no compressed token, nothing flows back
+            continue
+        ((ok * torch.linspace(-1, 1, ok.numel()).view_as(ok)).sum() + (ov ** 2).sum()).backward()
+        grads.append([k.grad, v.grad] + [p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    assert len(grads) == (2 if t >= 8 else 0)
+    for a, b in zip(outs[0] + tuple(grads[0] if grads else ()), outs[1] + tuple(grads[1] if grads else ())):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert outs[0][0].shape == (2, max(0, (t - 8) // 4 + 1), 3, 16)
