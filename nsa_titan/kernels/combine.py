@@ -47,10 +47,21 @@ def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: t
 
 
 @triton.jit
+def load_gate(GATE, row, row_ok, GC: tl.constexpr):
+    """Column GC of the gates GATE [rows, 3] for packed rows ``row`` = (b * T + t) * HQ + h, fp32. The branch
+    backward kernels take dOut and this gate instead of a stored dO_i = g_i * dOut: dO_i V^T is g_i (dOut V^T) and
+    P^T dO_i is (g_i P)^T dOut, each a per-row scale of an fp32 tile already in registers (scaling the dO tile
+    itself would hold an fp32 copy of it: +58 registers in the m7c band dQ, spills in the 1b's dK/dV)."""
+    return tl.load(GATE + row * 3 + GC, mask=row_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, DELTA, N, D: tl.constexpr, DP: tl.constexpr,
-                 BR: tl.constexpr):
+                 BR: tl.constexpr, STORE_DO: tl.constexpr):
     """dO_i = g_i * dOut (rounded to the branch dtype), dg_i = sum_d dOut * o_i, and each branch's softmax
-    term delta_i = sum_d dO_i * o_i from the rounded dO_i, exactly what rowdot(dO_i, o_i) would give."""
+    term delta_i = sum_d dO_i * o_i from the rounded dO_i, exactly what rowdot(dO_i, o_i) would give.
+    STORE_DO False: no dO_i is stored; the branch kernels scale by the gate in fp32 (load_gate), so the deltas are
+    the unrounded g_i * dg_i, which matches them."""
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, DP)
     rm = r < N
@@ -60,21 +71,27 @@ def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, DELTA, N, D: tl.constex
     g0 = tl.load(G + r * 3, mask=rm, other=0.0).to(tl.float32)
     g1 = tl.load(G + r * 3 + 1, mask=rm, other=0.0).to(tl.float32)
     g2 = tl.load(G + r * 3 + 2, mask=rm, other=0.0).to(tl.float32)
-    doc = (g0[:, None] * dout).to(DOC.dtype.element_ty)
-    dos = (g1[:, None] * dout).to(DOS.dtype.element_ty)
-    dow = (g2[:, None] * dout).to(DOW.dtype.element_ty)
-    tl.store(DOC + off, doc, mask=m)
-    tl.store(DOS + off, dos, mask=m)
-    tl.store(DOW + off, dow, mask=m)
     oc = tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(DG + r * 3, tl.sum(dout * oc, 1), mask=rm)
-    tl.store(DELTA + r, tl.sum(doc.to(tl.float32) * oc, 1), mask=rm)
     os_ = tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(DG + r * 3 + 1, tl.sum(dout * os_, 1), mask=rm)
-    tl.store(DELTA + N + r, tl.sum(dos.to(tl.float32) * os_, 1), mask=rm)
     ow = tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(DG + r * 3 + 2, tl.sum(dout * ow, 1), mask=rm)
-    tl.store(DELTA + 2 * N + r, tl.sum(dow.to(tl.float32) * ow, 1), mask=rm)
+    dg0, dg1, dg2 = tl.sum(dout * oc, 1), tl.sum(dout * os_, 1), tl.sum(dout * ow, 1)
+    tl.store(DG + r * 3, dg0, mask=rm)
+    tl.store(DG + r * 3 + 1, dg1, mask=rm)
+    tl.store(DG + r * 3 + 2, dg2, mask=rm)
+    if STORE_DO:
+        doc = (g0[:, None] * dout).to(DOC.dtype.element_ty)
+        dos = (g1[:, None] * dout).to(DOS.dtype.element_ty)
+        dow = (g2[:, None] * dout).to(DOW.dtype.element_ty)
+        tl.store(DOC + off, doc, mask=m)
+        tl.store(DOS + off, dos, mask=m)
+        tl.store(DOW + off, dow, mask=m)
+        tl.store(DELTA + r, tl.sum(doc.to(tl.float32) * oc, 1), mask=rm)
+        tl.store(DELTA + N + r, tl.sum(dos.to(tl.float32) * os_, 1), mask=rm)
+        tl.store(DELTA + 2 * N + r, tl.sum(dow.to(tl.float32) * ow, 1), mask=rm)
+    else:
+        tl.store(DELTA + r, g0 * dg0, mask=rm)
+        tl.store(DELTA + N + r, g1 * dg1, mask=rm)
+        tl.store(DELTA + 2 * N + r, g2 * dg2, mask=rm)
 
 
 def _rows_per_program(x: torch.Tensor, d: int) -> int:
@@ -104,17 +121,24 @@ def combine_fwd(o_c, o_s, o_w, gates):
     return out
 
 
-def combine_bwd(dout, o_c, o_s, o_w, gates):
-    """-> (dO_cmp, dO_slc, dO_win, dgates, delta [3, *o.shape[:-1]] fp32: rowsum(dO_i * o_i) per branch)."""
+def combine_bwd(dout, o_c, o_s, o_w, gates, branch_grads: bool = True):
+    """-> (dO_cmp, dO_slc, dO_win, dgates, delta [3, *o.shape[:-1]] fp32: rowsum(dO_i * o_i) per branch).
+    ``branch_grads`` False: the three dO_i are not stored (returned as None); the branch backward kernels then take
+    dOut with the gates (band.band_bwd / selected_bwd.sel_bwd ``gate``), and each delta is g_i * dg_i in fp32."""
     dout, o_c, o_s, o_w, gates = (x.contiguous() for x in (dout, o_c, o_s, o_w, gates))
     d = o_c.shape[-1]
     n = o_c.numel() // d
-    doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
+    if branch_grads:
+        doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
+    else:
+        doc = dos = dow = dout  # never written
     dg = torch.empty(gates.shape, device=gates.device, dtype=torch.float32)
     delta = torch.empty((3, *o_c.shape[:-1]), device=o_c.device, dtype=torch.float32)
     br = _rows_per_program(o_c, d)
     _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, delta, n, D=d,
-                                        DP=pow2(max(d, 16)), BR=br)
+                                        DP=pow2(max(d, 16)), BR=br, STORE_DO=branch_grads)
+    if not branch_grads:
+        doc = dos = dow = None
     return doc, dos, dow, dg.to(gates.dtype), delta
 
 
