@@ -33,11 +33,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from nsa_titan.kernels import band, selected_bwd  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "GATE": "*fp32", "DQ": "*bf16",
-            "LSE": "*fp32",
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
-SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "GATE": "*fp32", "LSE": "*fp32",
-                "DELTA": "*fp32",
+SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
                 "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "POFF": "*i32", "DK_": "*bf16",
                 "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32", "DS": "*fp32"}
 KERNELS = {"band_fwd": band._band_fwd, "band_dq": band._band_bwd_dq, "band_dkdv": band._band_bwd_dkdv}
@@ -89,12 +87,12 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
         rows = max(cfg["rows"], band.pow2(G))
         gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
         consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,
-                      STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False, GC=1)
+                      STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False)
     else:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], POINTERS
         consts = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=win, ROWS=cfg["rows"], BK=cfg["BK"], DK=D, DV=D, DKP=D,
-                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True, GC=1)
+                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
     res = compile_kernel(fn, consts, pointers, cfg["num_warps"], cfg["num_stages"])
     return dict(kernel=kernel, D=D, G=G, geometry=geo, cfg=cfg, **res)
 

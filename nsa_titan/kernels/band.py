@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.combine import add_splits, load_gate, pow2, rowdot
+from nsa_titan.kernels.combine import add_splits, pow2, rowdot
 from nsa_titan.kernels.tuned import TUNED
 
 LOG2E = 1.4426950408889634
@@ -156,24 +156,22 @@ def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, m_i, l_i, acc, qk_scale, KS
 
 
 @triton.jit
-def _dq_tile(q, do, gate, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE: tl.constexpr,
+def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE: tl.constexpr,
              KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-             DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr, GC: tl.constexpr):
+             DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
     k, v, s = _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, qk_scale, KSTRIDE, KOFF, WIN, BK, DK, DV, DKP, DVP,
                       DOC, MASK)
     p = tl.exp2(s - lse[:, None])  # hidden: -inf - lse = -inf, also for rows that see nothing (lse = +inf)
     dp = tl.dot(do, tl.trans(v))
-    if GC >= 0:  # do is dOut: this branch's dO V^T is g (dOut V^T)
-        dp = dp * gate[:, None]
     dsc = p * (dp - delta[:, None])
     return dq + tl.dot(dsc.to(k.dtype), k)
 
 
 @triton.jit
-def _dkdv_tile(Q, DO, GATE, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
                acc_k, acc_v, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
                ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-               DOC: tl.constexpr, MASK: tl.constexpr, GC: tl.constexpr):
+               DOC: tl.constexpr, MASK: tl.constexpr):
     """One query tile (packed rows [r0, r0 + ROWS), those < hi valid) contribution to a key tile's dK/dV."""
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     t, h, row_ok = _rows(r0, kv, hi, G, ROWS)
@@ -190,13 +188,8 @@ def _dkdv_tile(Q, DO, GATE, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, 
         dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
         s = tl.where((i * KSTRIDE)[None, :] >= dst[:, None], s, float("-inf"))
     p = tl.exp2(s)
-    if GC >= 0:  # do is dOut: P^T dO_i = (g P)^T dOut and dO_i V^T = g (dOut V^T) (combine.load_gate)
-        gate = load_gate(GATE, (b * T + t) * (HKV * G) + h, row_ok, GC)
-        acc_v += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v)) * gate[:, None]
-    else:
-        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
+    acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
     dsc = p * (dp - delta[:, None])
     acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
     return acc_k, acc_v
@@ -242,16 +235,14 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
 
 
 @triton.jit
-def _band_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                  T, TQ, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                  BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
-                 SPLIT: tl.constexpr, GC: tl.constexpr):
+                 SPLIT: tl.constexpr):
     """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
-    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic).
-    GC >= 0: DO is dOut, and this branch's dO is dOut times column GC of the gates GATE [B, T, HQ, 3]
-    (combine.load_gate)."""
+    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
@@ -262,9 +253,6 @@ def _band_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks,
     do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    gate = delta  # any [ROWS] fp32 vector without a gate (never read)
-    if GC >= 0:
-        gate = load_gate(GATE, (b * T + t) * (HKV * G) + h, row_ok, GC)
     t_lo = (pid_m * ROWS) // G
     t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
     i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
@@ -274,14 +262,14 @@ def _band_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks,
     kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
     dq = tl.zeros([ROWS, DKP], tl.float32)
     for i0 in range(i_start, m1, BK):
-        dq = _dq_tile(q, do, gate, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, True, GC)
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, True)
     for i0 in range(m1, m2, BK):
-        dq = _dq_tile(q, do, gate, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, False, GC)
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, False)
     for i0 in range(m2, i_end, BK):
-        dq = _dq_tile(q, do, gate, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, True, GC)
+        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
+                      DK, DV, DKP, DVP, DOC, True)
     dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
     dq = dq * sm_scale
     if ACC:
@@ -290,14 +278,12 @@ def _band_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks,
 
 
 @triton.jit
-def _band_bwd_dkdv(Q, K, V, DO, GATE, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                    T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
-                   GC: tl.constexpr):
-    """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D].
-    GC as in _band_bwd_dq."""
+                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
+    """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
@@ -321,17 +307,14 @@ def _band_bwd_dkdv(Q, K, V, DO, GATE, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh,
     m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, TQ, G, KSTRIDE, KOFF, WIN,
                                ROWS, SPLIT)
     for r0 in range(lo, m1, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, GATE, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC,
-                                  True, GC)
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True)
     for r0 in range(m1, m2, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, GATE, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC,
-                                  False, GC)
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False)
     for r0 in range(m2, hi, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, GATE, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC,
-                                  True, GC)
+        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
@@ -379,20 +362,6 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
     return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 
-def _gate_args(gate, delta, do) -> tuple:
-    """(gates tensor, column) for the backward kernels from a ``gate`` argument; (do, -1) without one (the pointer is
-    then never read)."""
-    if gate is None:
-        return do, -1
-    gates, column = gate
-    if delta is None:
-        raise ValueError("gate=(gates, column) needs delta: the branch's rowsum(dO * O) from combine.combine_bwd")
-    if column not in (0, 1, 2) or gates.shape != (*do.shape[:-1], 3) or not gates.is_contiguous():
-        raise ValueError(f"gate: need contiguous gates of shape {(*do.shape[:-1], 3)} and a column in 0..2, got "
-                         f"{tuple(gates.shape)} (contiguous={gates.is_contiguous()}) and {column}")
-    return gates, column
-
-
 def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None, doc_start=None,
              n_queries: int | None = None, out: tuple | None = None):
     """q [B,T,HQ,Dk], k [B,S,HKV,Dk], v [B,S,HKV,Dv] -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2).
@@ -416,19 +385,17 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
              cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, n_queries: int | None = None,
-             dkv_acc: tuple | None = None, gate: tuple | None = None):
+             dkv_acc: tuple | None = None):
     """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
     ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
     ``doc_start`` as in band_fwd; ``n_queries`` as in band_fwd (dQ rows past it are not written);
     ``dkv_acc``: (dk, dv) of at least S rows: add this call's dK/dV to their first S rows (in fp32, one rounding)
-    and return them; ``gate``: (gates [B,T,HQ,3], column): ``do`` is the gated sum's dOut and this branch's dO is
-    dOut * gates[..., column] (combine.load_gate); needs ``delta``."""
+    and return them."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     tq = T if n_queries is None else n_queries
     do = do.contiguous()
-    gates, gc = _gate_args(gate, delta, do)
     if delta is None:
         delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
     dims = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
@@ -437,17 +404,17 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
     rows, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-    _band_bwd_dq[(triton.cdiv(tq * G, rows), B * HKV)](q, k, v, do, gates, lse, delta, dq, ds, *strides, T, tq, S,
-                                                       HKV, DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
-                                                       ACC=dq_acc is not None, GC=gc, **kw)
+    _band_bwd_dq[(triton.cdiv(tq * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV,
+                                                       DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
+                                                       ACC=dq_acc is not None, **kw)
     rows, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
     nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
-            q, k, v, do, gates, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-            nsplit, ROWS=rows, BK=bk, **dims, GC=gc, **kw)
+            q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+            nsplit, ROWS=rows, BK=bk, **dims, **kw)
     if dkv_acc is None:
         return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
     dk, dv = dkv_acc

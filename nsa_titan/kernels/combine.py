@@ -47,21 +47,12 @@ def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: t
 
 
 @triton.jit
-def load_gate(GATE, row, row_ok, GC: tl.constexpr):
-    """Column GC of the gates GATE [rows, 3] for packed rows ``row`` = (b * T + t) * HQ + h, fp32. The branch
-    backward kernels take dOut and this gate instead of a stored dO_i = g_i * dOut: dO_i V^T is g_i (dOut V^T) and
-    P^T dO_i is (g_i P)^T dOut, each a per-row scale of an fp32 tile already in registers (scaling the dO tile
-    itself would hold an fp32 copy of it: +58 registers in the m7c band dQ, spills in the 1b's dK/dV)."""
-    return tl.load(GATE + row * 3 + GC, mask=row_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, DELTA, N, D: tl.constexpr, DP: tl.constexpr,
-                 BR: tl.constexpr, STORE_DO: tl.constexpr):
-    """dO_i = g_i * dOut (rounded to the branch dtype), dg_i = sum_d dOut * o_i, and each branch's softmax
-    term delta_i = sum_d dO_i * o_i from the rounded dO_i, exactly what rowdot(dO_i, o_i) would give.
-    STORE_DO False: no dO_i is stored; the branch kernels scale by the gate in fp32 (load_gate), so the deltas are
-    the unrounded g_i * dg_i, which matches them."""
+def _combine_bwd(DOUT, OC, OS, OW, G, LSE_C, LSE_S, LSE_W, DOC, DOS, DOW, DG, DELTA, LSEG, N, D: tl.constexpr,
+                 DP: tl.constexpr, BR: tl.constexpr, STORE_DO: tl.constexpr):
+    """dg_i = sum_d dOut * o_i, and per branch either (STORE_DO) dO_i = g_i * dOut (rounded to the branch dtype) with
+    its softmax term delta_i = sum_d dO_i * o_i from the rounded dO_i, exactly what rowdot(dO_i, o_i) would give; or
+    (not STORE_DO) nothing [B, T, HQ, Dv]-sized: the branch backward then runs on dOut itself with delta_i = dg_i and
+    its LSE lowered by log2(g_i) (LSEG), see combine_bwd."""
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, DP)
     rm = r < N
@@ -89,9 +80,13 @@ def _combine_bwd(DOUT, OC, OS, OW, G, DOC, DOS, DOW, DG, DELTA, N, D: tl.constex
         tl.store(DELTA + N + r, tl.sum(dos.to(tl.float32) * os_, 1), mask=rm)
         tl.store(DELTA + 2 * N + r, tl.sum(dow.to(tl.float32) * ow, 1), mask=rm)
     else:
-        tl.store(DELTA + r, g0 * dg0, mask=rm)
-        tl.store(DELTA + N + r, g1 * dg1, mask=rm)
-        tl.store(DELTA + 2 * N + r, g2 * dg2, mask=rm)
+        tl.store(DELTA + r, dg0, mask=rm)
+        tl.store(DELTA + N + r, dg1, mask=rm)
+        tl.store(DELTA + 2 * N + r, dg2, mask=rm)
+        # log2(0) = -inf (a gate that underflowed): LSE' = +inf, so the branch's p' and dS are 0 for that row.
+        tl.store(LSEG + r, tl.load(LSE_C + r, mask=rm, other=0.0) - tl.log2(g0), mask=rm)
+        tl.store(LSEG + N + r, tl.load(LSE_S + r, mask=rm, other=0.0) - tl.log2(g1), mask=rm)
+        tl.store(LSEG + 2 * N + r, tl.load(LSE_W + r, mask=rm, other=0.0) - tl.log2(g2), mask=rm)
 
 
 def _rows_per_program(x: torch.Tensor, d: int) -> int:
@@ -121,25 +116,32 @@ def combine_fwd(o_c, o_s, o_w, gates):
     return out
 
 
-def combine_bwd(dout, o_c, o_s, o_w, gates, branch_grads: bool = True):
+def combine_bwd(dout, o_c, o_s, o_w, gates, lses=None):
     """-> (dO_cmp, dO_slc, dO_win, dgates, delta [3, *o.shape[:-1]] fp32: rowsum(dO_i * o_i) per branch).
-    ``branch_grads`` False: the three dO_i are not stored (returned as None); the branch backward kernels then take
-    dOut with the gates (band.band_bwd / selected_bwd.sel_bwd ``gate``), and each delta is g_i * dg_i in fp32."""
+
+    ``lses`` (the three branches' forward LSEs, base 2) instead: -> (dgates, delta, lse') with no dO_i stored. Each
+    branch's backward then runs on dOut itself: with p' = exp2(s - lse'_i) = g_i p for lse'_i = lse_i - log2(g_i),
+    P^T dO_i = p'^T dOut, and dS = p (g_i dOut V^T - delta_i) = p' (dOut V^T - dg_i) since delta_i = g_i dg_i. So the
+    branch kernels run unchanged on (dOut, lse'_i, delta'_i = dg_i): three [B, T, HQ, Dv] tensors fewer to write and
+    read back, and no extra work per score."""
     dout, o_c, o_s, o_w, gates = (x.contiguous() for x in (dout, o_c, o_s, o_w, gates))
     d = o_c.shape[-1]
     n = o_c.numel() // d
-    if branch_grads:
-        doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
-    else:
-        doc = dos = dow = dout  # never written
     dg = torch.empty(gates.shape, device=gates.device, dtype=torch.float32)
     delta = torch.empty((3, *o_c.shape[:-1]), device=o_c.device, dtype=torch.float32)
     br = _rows_per_program(o_c, d)
-    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, doc, dos, dow, dg, delta, n, D=d,
-                                        DP=pow2(max(d, 16)), BR=br, STORE_DO=branch_grads)
-    if not branch_grads:
-        doc = dos = dow = None
-    return doc, dos, dow, dg.to(gates.dtype), delta
+    if lses is None:
+        doc, dos, dow = torch.empty_like(o_c), torch.empty_like(o_s), torch.empty_like(o_w)
+        lse_c = lse_s = lse_w = lse_g = delta  # never read or written
+    else:
+        doc = dos = dow = dout  # never written
+        lse_c, lse_s, lse_w = (x.contiguous() for x in lses)
+        lse_g = torch.empty_like(delta)
+    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, lse_c, lse_s, lse_w, doc, dos, dow, dg, delta,
+                                        lse_g, n, D=d, DP=pow2(max(d, 16)), BR=br, STORE_DO=lses is None)
+    if lses is None:
+        return doc, dos, dow, dg.to(gates.dtype), delta
+    return dg.to(gates.dtype), delta, lse_g
 
 
 @triton.jit

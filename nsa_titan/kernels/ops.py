@@ -68,19 +68,6 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
     return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys
 
 
-# The branch backward kernels form dO_i = g_i * dOut from dOut and the gate (combine.load_gate) instead of reading a
-# stored dO_i from head dim 128 on: three [B, T, HQ, Dv] tensors fewer to write and read back. H100, GPU time of the
-# whole attention (benchmarks/results/gated_backward_H100.md): 1b 8k 1.014x (batch 1) and 1.027x (batch 2), qwen7b
-# 8k 1.021x, 1b 32k 1.008x, 16 % less peak memory; at head dim 64 the per-row scaling in the loops costs more than
-# the stores it saves (m7c 8k batch 2 0.974x, 2k batch 8 0.988x, 32k 0.986x), so m7c keeps the stored dO_i.
-GATED_BACKWARD_MIN_DV = 128
-
-
-def gated_backward(dv: int) -> bool:
-    """Whether nsa_bwd's branch kernels take dOut and the gates (True) or the stored dO_i, for value head dim dv."""
-    return dv >= GATED_BACKWARD_MIN_DV
-
-
 # --- the whole NSA attention as one operator: three branches, block selection, gate combination ---
 @custom_op("nsa_titan::nsa_fwd", mutates_args=())
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
@@ -122,34 +109,32 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums).
     ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
-    dout, gates = dout.contiguous(), gates.contiguous()
-    if gated_backward(v_slc.shape[-1]):  # each branch kernel takes dOut and its gate column
-        *_, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates, branch_grads=False)
-        (do_cmp, g_cmp), (do_slc, g_slc), (do_win, g_win) = ((dout, (gates, i)) for i in range(3))
-    else:  # the stored dO_i = g_i * dOut
-        do_cmp, do_slc, do_win, dgates, delta = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates)
-        g_cmp = g_slc = g_win = None
+    # No dO_i = g_i * dOut is stored: every branch backward runs on dOut with its LSE lowered by log2(g_i) and
+    # delta_i = dg_i (combine.combine_bwd's ``lses``): the same gradients, three [B, T, HQ, Dv] tensors fewer.
+    dgates, delta, (lse_cmp, lse_slc, lse_win) = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates,
+                                                                      lses=(lse_cmp, lse_slc, lse_win))
+    dout = dout.contiguous()
     t = q.shape[1]
     prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     if prefix == t:
-        dq, dk_slc, dv_slc = band.band_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
-                                           doc_start=doc_start, gate=g_slc)
+        dq, dk_slc, dv_slc = band.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
+                                           doc_start=doc_start)
     else:
-        dq, dk_slc, dv_slc = selected_bwd.sel_bwd(do_slc, q, k_slc, v_slc, o_slc, lse_slc,
+        dq, dk_slc, dv_slc = selected_bwd.sel_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc,
                                                   _sparse_rows(block_idx.contiguous(), prefix), slc_block,
                                                   delta=delta[1], doc_start=doc_start,
-                                                  keys=pair_keys if pair_keys.numel() else None, gate=g_slc)
+                                                  keys=pair_keys if pair_keys.numel() else None)
         if prefix:  # the prefix rows' dQ (added to the sparse kernels' zeros) and their keys' dK/dV (added)
-            band.band_bwd(do_slc, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
+            band.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
-                          dkv_acc=(dk_slc, dv_slc), gate=g_slc)
-    _, dk_win, dv_win = band.band_bwd(do_win, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
-                                      dq_acc=dq, doc_start=doc_start, gate=g_win)
+                          dkv_acc=(dk_slc, dv_slc))
+    _, dk_win, dv_win = band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
+                                      dq_acc=dq, doc_start=doc_start)
     if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
         dk_cmp, dv_cmp = torch.zeros_like(k_cmp), torch.zeros_like(v_cmp)
     else:
-        _, dk_cmp, dv_cmp = band.band_bwd(do_cmp, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0,
-                                          delta=delta[0], dq_acc=dq, doc_start=doc_start, gate=g_cmp)
+        _, dk_cmp, dv_cmp = band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0,
+                                          delta=delta[0], dq_acc=dq, doc_start=doc_start)
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, _gate_args, sm_count
-from nsa_titan.kernels.combine import load_gate, pow2, rowdot
+from nsa_titan.kernels.band import LOG2E, sm_count
+from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts, token_group, token_slot_kv
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
 
@@ -38,12 +38,11 @@ def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.
 
 
 @triton.jit
-def _sel_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                 T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
                 NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr, GC: tl.constexpr):
-    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag); GC >= 0:
-    DO is dOut and the gate scales dO V^T (combine.load_gate)."""
+                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
+    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
     t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
                                                                   GR, DK, DKP, DOC)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
@@ -51,9 +50,6 @@ def _sel_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, 
                  mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    gate = delta  # any [GR] fp32 vector without a gate (never read)
-    if GC >= 0:
-        gate = load_gate(GATE, (b * T + t) * (HKV * G) + h, row_ok, GC)
     dq = tl.zeros([GR, DKP], tl.float32)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, n_used, NPI):
@@ -62,8 +58,6 @@ def _sel_bwd_dq(Q, K, V, DO, GATE, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, 
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
         dp = tl.dot(do, tl.trans(v))
-        if GC >= 0:  # do is dOut: this branch's dO V^T is g (dOut V^T)
-            dp = dp * gate[:, None]
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
@@ -102,12 +96,12 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, GATE, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, GC: tl.constexpr):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -158,13 +152,8 @@ def _sel_bwd_dkdv(Q, K, V, DO, GATE, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK
         if DOC:
             vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
         p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None], float("-inf")))  # masked before exp2: no overflow
-        if GC >= 0:  # do is dOut: P^T dO_i = (g P)^T dOut and dO_i V^T = g (dOut V^T) (combine.load_gate)
-            gate = load_gate(GATE, row, row_ok, GC)
-            acc_v += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v)) * gate[:, None]
-        else:
-            acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
+        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
         ds = (p * (dp - delta[:, None])).to(q.dtype)
         acc_k += tl.dot(tl.trans(ds), q)
         slot = key - (key // NSEL) * NSEL  # only the stores below read it
@@ -218,15 +207,14 @@ def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.conste
 
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None, gate=None):
-    """-> (dq, dk, dv); ``delta``, ``dq_acc``, ``doc_start`` and ``gate`` as in band.band_bwd; ``keys``: the
-    forward's sorted pair keys (sel_fwd with_pairs), or None to sort here."""
+            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None):
+    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd; ``keys``: the forward's
+    sorted pair keys (sel_fwd with_pairs), or None to sort here."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
     G, c = _consts(q, k, v, slc_block, n)
     do = do.contiguous()
-    gates, gc = _gate_args(gate, delta, do)
     if delta is None:
         delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
@@ -235,10 +223,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     algo = lq.get("algo", "recompute")
     if algo == "recompute":
-        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, gates, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
+        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
                                   DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
-                                  ACC=dq_acc is not None, DOC=doc_start is not None, GC=gc,
-                                  num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+                                  ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lq["num_warps"],
+                                  num_stages=lq["num_stages"])
     # dK/dV block-centric: the (block, token, slot) triples sorted by block, every block's list cut into chunks
     # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
     # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).
@@ -263,10 +251,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
     _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
-        q, k, v, do, gates, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb,
-        G, HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c,
-        STORE_DS=algo == "ds", STORE_DQ=algo == "partials", DOC=doc_start is not None, GC=gc,
-        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
+        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
                                               DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
