@@ -189,12 +189,15 @@ def test_under_torchrun_a_killed_rank_makes_the_survivor_exit_5_naming_it(tmp_pa
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-4000:]  # torchrun's own code for a failed worker
-    assert "training stopped: rank 1 (pid" in out and "is gone: its process no longer exists" in out, out[-4000:]
+    # Two threads may name it first: the main loop ("training stopped", after the launcher's SIGTERM) or the
+    # heartbeat watchdog ("PEER FAILURE", seen on a loaded 2-core CI machine); both exit 5.
+    named = "training stopped: rank 1 (pid" in out or "PEER FAILURE: rank 1 (pid" in out
+    assert named and "is gone: its process no longer exists" in out, out[-4000:]
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: 5 ", out), out[-4000:]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9 ", out), out[-4000:]
     assert "saving and exiting" not in out, "the launcher's SIGTERM was taken for a preemption\n" + out[-4000:]
     beats = {r: json.loads(heartbeat_path(dump / "heartbeat", r).read_text()) for r in (0, 1)}
-    assert beats[0]["status"] == "failed" and beats[1]["status"] == "running"  # rank 1 died without a word
+    assert beats[0]["status"] in ("failed", "peer_failed") and beats[1]["status"] == "running"  # 1 died silently
     assert beats[0]["time"] - beats[1]["time"] < 15, "rank 0 took too long to stop after rank 1 died"
 
 
