@@ -437,3 +437,58 @@ def test_dp_compare_interleaves_rounds(tmp_path, monkeypatch):
     assert seen == ["ac-none_1gpu", "ac-full_1gpu", "ac-none_1gpu_r2", "ac-full_1gpu_r2"]
     assert [r["rounds_tokens_per_s_per_gpu"] for r in result["rows"]] == [[1001.0, 1003.0], [1002.0, 1004.0]]
     assert "2 rounds per cell" in (tmp_path / "dp_compare_dp.md").read_text()
+
+
+def test_ab_profile_compares_rounds_by_median_and_names_the_kernels_that_moved(tmp_path):
+    """benchmarks/ab_profile.py's comparison on two rounds of profile_block payloads per tree (an attention case and
+    a block case), and its refusal of a baseline that is not a checkout."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    path = common.REPO / "benchmarks" / "ab_profile.py"
+    spec = importlib.util.spec_from_file_location("ab_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def payload(attn_ms, sel_ms, block_ms):
+        prof = dict(kernel_ms=attn_ms, top=[("_sel_fwd", sel_ms, 1), ("_band_fwd", attn_ms - sel_ms, 2)])
+        return dict(attention=[dict(config="1b", T=8192, B=2, profile=prof)],
+                    blocks=[dict(flavor="m7c", attn_type="nsa", T=8192, B=2,
+                                 profile=dict(kernel_ms=block_ms, top=[("mm", block_ms, 6)]))])
+
+    base = [mod.kernel_times(payload(2.7, 0.57, 4.3)), mod.kernel_times(payload(2.6, 0.56, 4.4))]
+    new = [mod.kernel_times(payload(2.5, 0.45, 4.2)), mod.kernel_times(payload(2.55, 0.46, 4.25))]
+    rows = {r["case"]: r for r in mod.compare(base, new)}
+    attn = rows["attention 1b T=8192 B=2"]
+    assert attn["baseline_ms"] == [2.7, 2.6] and attn["new_median"] == 2.525
+    assert abs(attn["speedup"] - 2.65 / 2.525) < 1e-12
+    assert attn["moved"][0] == dict(kernel="_sel_fwd", baseline=0.565, new=0.455)  # moved most: 0.11 ms
+    assert abs(rows["block m7c nsa T=8192 B=2"]["speedup"] - 4.35 / 4.225) < 1e-12
+    md = mod.markdown(list(rows.values()), dict(device="H100", baseline="/tmp/b", rounds=2))
+    assert "| attention 1b T=8192 B=2 | 2.700 / 2.600 | 2.500 / 2.550 | 1.050x |" in md
+    res = subprocess.run([sys.executable, str(path), "--baseline", str(tmp_path), "--attention", "1b"],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "no benchmarks/profile_block.py there" in res.stderr
+
+
+def test_whole_model_table_judges_a_target_only_against_a_dense_run():
+    """benchmarks/whole_model_table.py: an NSA row whose command ran no dense variant is marked '(no dense run)', not
+    'missed'; with a dense run of the same compile mode the ratio decides met / missed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("whole_model_table",
+                                                  common.REPO / "benchmarks" / "whole_model_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(variant, tps):
+        return dict(variant=variant, last_window_tokens_per_s_per_gpu=tps, model=dict(flavor="m7c"),
+                    training=dict(seq_len=8192, local_batch_size=2), peak_mem_gib=7.5)
+
+    alone = mod.ratio_rows(dict(tag="paths", rows=[row("triton_compile_cg", 300e3), row("torch_compile_cg", 100e3)]))
+    paired = mod.ratio_rows(dict(tag="pair", rows=[row("triton_compile_cg", 300e3), row("dense_compile_cg", 360e3),
+                                                   row("triton_compile", 380e3), row("dense_compile", 370e3)]))
+    md = mod.markdown(alone + paired, dict(device="H100", torch="t", triton="x"))
+    assert md.count(">= 1.0 (no dense run)") == 2 and "missed | 7.5 | - | paths" not in md
+    assert "| 0.83 | >= 1.0 missed |" in md and "| 1.03 | >= 1.0 met |" in md
