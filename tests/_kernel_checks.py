@@ -269,7 +269,7 @@ def _sel_bwd_paths_check(device):
 
 def _gated_backward_check(device):
     """nsa_bwd runs every branch backward on dOut with the branch's LSE lowered by log2(g_i) and delta_i = dg_i
-    (combine.combine_bwd's ``lses``) instead of on a stored dO_i = g_i * dOut. The kernels' results both ways: the band
+    (combine.combine_bwd) instead of on a stored dO_i = g_i * dOut. The kernels' results both ways: the band
     kernels in the compressed geometry with documents and the window geometry, the selected branch on two cases
     (its default dQ path and dQ recomputed), with some gates exactly 0 (log2 = -inf: the row's gradient must be 0,
     not NaN) and 1. The whole-attention cases above run the new way end to end against float64."""
@@ -283,8 +283,8 @@ def _gated_backward_check(device):
         do_i = dout * gates[..., col:col + 1]
         want = bwd(do_i, o, lse, delta=(do_i * o).sum(-1), **kw)
         z = torch.zeros_like(o)
-        *_, delta, lse_g = combine.combine_bwd(dout, *[o if i == col else z for i in range(3)], gates,
-                                               lses=[lse if i == col else lse * 0 for i in range(3)])
+        _, delta, lse_g = combine.combine_bwd(dout, *[o if i == col else z for i in range(3)], gates,
+                                              [lse if i == col else lse * 0 for i in range(3)])
         got = bwd(dout, o, lse_g[col], delta=delta[col], **kw)
         return max(rel_err(a, b) for a, b in zip(got, want)), all(bool(torch.isfinite(x).all()) for x in got)
 
