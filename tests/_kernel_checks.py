@@ -267,7 +267,7 @@ def _sel_bwd_paths_check(device):
             "worst": worst}
 
 
-def _gated_backward_check(device):
+def _dout_backward_check(device):
     """nsa_bwd runs every branch backward on dOut with the branch's LSE lowered by log2(g_i) and delta_i = dg_i
     (combine.combine_bwd) instead of on a stored dO_i = g_i * dOut. The kernels' results both ways: the band
     kernels in the compressed geometry with documents and the window geometry, the selected branch on two cases
@@ -432,5 +432,5 @@ def _decode_fused_check(device):
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
-          ("select_slot_order", _select_slot_order_check), ("gated_backward", _gated_backward_check),
+          ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check))

@@ -111,9 +111,9 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     # No dO_i = g_i * dOut is stored: every branch backward runs on dOut with its LSE lowered by log2(g_i) and
     # delta_i = dg_i (combine.combine_bwd): the same gradients, three [B, T, HQ, Dv] tensors fewer.
+    dout = dout.contiguous()
     dgates, delta, (lse_cmp, lse_slc, lse_win) = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates,
                                                                       (lse_cmp, lse_slc, lse_win))
-    dout = dout.contiguous()
     t = q.shape[1]
     prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     if prefix == t:

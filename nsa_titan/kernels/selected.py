@@ -192,7 +192,7 @@ def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> 
     - the whole prefix n * l' when the forward runs block-centric and the prefix holds at least half of the tokens:
       the prefix's pairs cost their share of every sparse kernel (m7c at 2k batch 8: 1.95 -> 1.90 ms);
     - else 0: a short prefix's band work outweighs the pairs it saves (m7c at 8k batch 2, a 1/8 prefix: 2.39 ->
-      2.42 ms), and the token-centric kernels walk all n slots of every token anyway.
+      2.42 ms); the token-centric kernels already skip a prefix token's unused slots (token_group's n_used).
     Any other value is taken as asked (tests, A/B runs), at most n * l'."""
     T, limit = q.shape[1], n * slc_block
     if requested > limit:
