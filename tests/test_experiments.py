@@ -465,6 +465,10 @@ def test_ab_profile_compares_rounds_by_median_and_names_the_kernels_that_moved(t
     assert abs(attn["speedup"] - 2.65 / 2.525) < 1e-12
     assert attn["moved"][0] == dict(kernel="_sel_fwd", baseline=0.565, new=0.455)  # moved most: 0.11 ms
     assert abs(rows["block m7c nsa T=8192 B=2"]["speedup"] - 4.35 / 4.225) < 1e-12
+    # profile_block shortens kernel names, so two kernels can share one: their times add up
+    twice = dict(attention=[dict(config="m7c", T=8192, B=2, profile=dict(
+        kernel_ms=0.06, top=[("cub::Onesweep<..", 0.045, 4), ("cub::Onesweep<..", 0.011, 1), ("fill", 0.004, 1)]))])
+    assert mod.kernel_times(twice)["attention m7c T=8192 B=2"]["kernels"]["cub::Onesweep<.."] == 0.045 + 0.011
     md = mod.markdown(list(rows.values()), dict(device="H100", baseline="/tmp/b", rounds=2))
     assert "| attention 1b T=8192 B=2 | 2.700 / 2.600 | 2.500 / 2.550 | 1.050x |" in md
     res = subprocess.run([sys.executable, str(path), "--baseline", str(tmp_path), "--attention", "1b"],
