@@ -251,3 +251,43 @@ def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names):
     print(f"check B={B} T={T} HQ={HQ} HKV={HKV} Dk={DK} Dv={DV}: ok={ok} worst={row['worst']:.2e} "
           f"det={determ} sel_gap={gap:.1e} sel_same={same:.4f}", flush=True)
     return row
+
+
+def check_phi(cases):
+    """kernels/compress.py (phi of the keys and values, the kernels path's) on bf16 activations with fp32 weights
+    under autocast, against attention.compress_pair in float64: outputs and every gradient (k, v, both position
+    embeddings and both MLPs), run twice (bit-identical: no atomics). ``cases``: (B, T, H, D, l, d)."""
+    from nsa_titan.kernels import compress
+    from nsa_titan.models.nsa.attention import Compressor, compress_pair
+
+    rows = []
+    for B, T, H, D, l, d in cases:
+        g = torch.Generator(device=DEV).manual_seed(T + D)
+        mods = [Compressor(D, l, d, "mlp").to(DEV) for _ in range(2)]
+        for m in mods:
+            m.init_weights()
+        k = torch.randn(B, T, H, D, device=DEV, generator=g, dtype=torch.bfloat16).requires_grad_()
+        kv = torch.randn(B, T, 2, H, D, device=DEV, generator=g, dtype=torch.bfloat16).requires_grad_()
+        params = [x for m in mods for x in (m.pos_emb, m.fc1.weight, m.fc2.weight)]
+        dout = [torch.randn(B, (T - l) // d + 1, H, D, device=DEV, generator=g, dtype=torch.bfloat16)
+                for _ in range(2)]
+        runs = []
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = compress.phi_pair(*mods, k, kv[:, :, 1])
+            runs.append([*out, *torch.autograd.grad(out, [k, kv] + params, dout)])
+        determ = all(torch.equal(a, b) for a, b in zip(*runs))
+        ref_mods = [m.double() for m in (Compressor(D, l, d, "mlp").to(DEV), Compressor(D, l, d, "mlp").to(DEV))]
+        for r, m in zip(ref_mods, mods):
+            r.load_state_dict({n: x.double() for n, x in m.state_dict().items()})
+        k64, kv64 = (x.detach().double().requires_grad_() for x in (k, kv))
+        ref = compress_pair(*ref_mods, k64, kv64[:, :, 1])
+        rparams = [x for m in ref_mods for x in (m.pos_emb, m.fc1.weight, m.fc2.weight)]
+        want = [*ref, *torch.autograd.grad(ref, [k64, kv64] + rparams, [x.double() for x in dout])]
+        names = ["ck", "cv", "dk", "dv", "dpos_k", "dfc1_k", "dfc2_k", "dpos_v", "dfc1_v", "dfc2_v"]
+        errs = {n: rel(a, b) for n, a, b in zip(names, runs[0], want)}
+        worst = max(errs.values())
+        ok = worst < 1e-2 and determ
+        rows.append(dict(B=B, T=T, H=H, D=D, l=l, d=d, ok=ok, worst=worst, errs=errs, deterministic=determ))
+        print(f"check phi B={B} T={T} H={H} D={D} l={l} d={d}: ok={ok} worst={worst:.2e} det={determ}", flush=True)
+    return rows
