@@ -429,68 +429,8 @@ def _decode_fused_check(device):
     return {"ok": worst < 1e-4, "worst": worst}
 
 
-def _phi_pair_check(device):
-    """kernels/compress.py (phi of the keys and values as Triton kernels) against its spec attention.compress_pair
-    in float64: outputs and the gradients of k, v (a strided view, as in the model) and all six parameters, for
-    windows that overlap (l = 2d, each token in two windows), do not (l = d), overlap unevenly (l = 6, d = 4), leave
-    gaps (l < d: tokens in no window get 0), and fp16 with fp32 weights (as autocast's). Twice each: bit-identical
-    (no atomics). Under torch.compile(fullgraph=True) the op traces and gives the same values. ``supports`` refuses
-    what the kernels do not run (a mean compressor, fewer tokens than a window, K and V of two widths, a head dim
-    not a power of 2): the model then takes compress_pair."""
-    import torch
-
-    from nsa_titan.kernels import compress
-    from nsa_titan.models.nsa.attention import Compressor, compress_pair
-
-    gen = torch.Generator().manual_seed(11)
-    worst, determ, contiguous = {}, True, True
-    cases = {"overlap": (2, 45, 2, 16, 8, 4, torch.float32), "no_overlap": (1, 37, 1, 32, 8, 8, torch.float32),
-             "uneven": (1, 40, 2, 32, 6, 4, torch.float32),
-             "gaps": (1, 37, 1, 16, 4, 8, torch.float32), "fp16": (2, 33, 3, 16, 8, 4, torch.float16)}
-    for name, (B, T, H, D, l, d, dt) in cases.items():
-        mods = [Compressor(D, l, d, "mlp") for _ in range(2)]
-        for m in mods:
-            for prm in m.parameters():
-                prm.data = torch.randn(prm.shape, generator=gen) * (0.5 if prm.dim() == 2 else 1.0)
-        k = torch.randn(B, T, H, D, generator=gen).to(device, dt).requires_grad_()
-        kv = torch.randn(B, T, 2, H, D, generator=gen).to(device, dt).requires_grad_()
-        mods = [m.to(device) for m in mods]
-        params = [x for m in mods for x in (m.pos_emb, m.fc1.weight, m.fc2.weight)]
-        dout = [torch.randn(B, (T - l) // d + 1, H, D, generator=gen).to(device, dt) for _ in range(2)]
-        runs = []
-        for _ in range(2):
-            out = compress.phi_pair(*mods, k, kv[:, :, 1])
-            runs.append([*out, *torch.autograd.grad(out, [k, kv] + params, dout)])
-        determ &= all(bool(torch.equal(a, b)) for a, b in zip(*runs))
-        # the fake kernel promises contiguous gradients; compiled graphs assert the strides (inductor's check)
-        pre = compress.phi_fwd(k, kv[:, :, 1], *params[0::3], *params[1::3], *params[2::3], l, d)[2]
-        grads = compress.phi_bwd(*dout, k, kv[:, :, 1], pre, *params[0::3], *params[1::3], *params[2::3], l, d)
-        contiguous &= all(g.is_contiguous() for g in grads)
-        ref_mods = [Compressor(D, l, d, "mlp").double() for _ in range(2)]
-        for r, m in zip(ref_mods, mods):
-            r.load_state_dict({n: x.double().cpu() for n, x in m.state_dict().items()})
-        k64, kv64 = (x.detach().double().cpu().requires_grad_() for x in (k, kv))
-        ref = compress_pair(*ref_mods, k64, kv64[:, :, 1])
-        rparams = [x for m in ref_mods for x in (m.pos_emb, m.fc1.weight, m.fc2.weight)]
-        want = [*ref, *torch.autograd.grad(ref, [k64, kv64] + rparams, [g.double().cpu() for g in dout])]
-        tol = 2e-3 if dt == torch.float16 else 1e-5
-        worst[name] = max(rel_err(a.cpu(), b) for a, b in zip(runs[0], want)) / tol  # <= 1 passes
-    fn = torch.compile(compress.phi_pair, fullgraph=True, backend="aot_eager")
-    compiled = fn(*mods, k, kv[:, :, 1])
-    traced = all(bool(torch.equal(a, b)) for a, b in zip(compiled, compress.phi_pair(*mods, k, kv[:, :, 1])))
-    mean, mlp = Compressor(16, 8, 4, "mean"), Compressor(16, 8, 4, "mlp")
-    x = torch.zeros(1, 20, 1, 16)
-    x48 = torch.zeros(1, 20, 1, 48)
-    refused = [compress.supports(mean, mlp, x, x), compress.supports(mlp, mlp, x[:, :7], x[:, :7]),
-               compress.supports(mlp, mlp, x, torch.zeros(1, 20, 1, 8)), compress.supports(mlp, mlp, x48, x48),
-               compress.supports(mlp, mlp, x, x)]
-    return {"ok": max(worst.values()) <= 1.0 and determ and contiguous and traced and refused == [False] * 4 + [True],
-            "worst_over_tol": worst, "determ": determ, "contiguous": contiguous, "traced": traced, "refused": refused}
-
-
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
-          ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check),
-          ("phi_pair", _phi_pair_check))
+          ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check))

@@ -15,12 +15,11 @@ from nsa_titan.models.nsa.common import NSAParams
 
 # Resolved once at import: the forward must not import or try/except (it runs under torch.compile).
 try:
-    from nsa_titan.kernels import compress as _triton_phi  # phi as Triton kernels (the kernels path's)
     from nsa_titan.kernels import nsa_attention as _triton_nsa_attention  # also registers torch.ops.nsa_titan.*
 
     _TRITON_ERROR = None
 except ImportError as _e:  # triton missing, or no kernels for this platform
-    _triton_nsa_attention, _triton_phi, _TRITON_ERROR = None, None, _e
+    _triton_nsa_attention, _TRITON_ERROR = None, _e
 
 # The function behind each concrete model.attn_impl (the choices themselves are NSAModelArgs.attn_impl's type).
 NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_attention, "triton": _triton_nsa_attention}
@@ -132,14 +131,6 @@ def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tens
     return out[0], out[1]
 
 
-def compress_both(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tensor, fused: bool):
-    """(ck(k), cv(v)): with ``fused`` (the kernels path) as Triton kernels where they apply (kernels/compress.py:
-    one launch forward and two backward in place of ~14 small kernels), else ``compress_pair``, their spec."""
-    if fused and _triton_phi is not None and _triton_phi.supports(ck, cv, k, v):
-        return _triton_phi.phi_pair(ck, cv, k, v)
-    return compress_pair(ck, cv, k, v)
-
-
 class NSAAttention(nn.Module):
     """Native sparse attention: compressed, selected and sliding-window branches mixed by sigmoid gates."""
 
@@ -188,11 +179,10 @@ class NSAAttention(nn.Module):
         if cache is not None and t == 1:
             out = cache.attend(q, raw, slc, win, gates)
         else:
+            cmp = compress_pair(self.compress_k, self.compress_v, raw[0], raw[1])
             # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device
             # type is static, so under torch.compile this runs once, at trace time.
             impl = resolve_impl(self.impl_name, q.device)
-            cmp = compress_both(self.compress_k, self.compress_v, raw[0], raw[1],
-                                fused=impl is _triton_nsa_attention)
             out, blocks = impl(q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start)
             if cache is not None:
                 cache.fill(raw, slc, win, cmp)
