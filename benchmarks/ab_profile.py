@@ -2,14 +2,16 @@
 
     git archive <commit> | tar -x -C /tmp/base                     # the baseline tree (a whole checkout)
     python benchmarks/ab_profile.py --baseline /tmp/base --attention m7c:2,1b --attention-seqs 8192 \
-        [--flavors m7c,1b --batch 2,2 --seq 8192] [--rounds 2] [--tag NAME]
+        [--flavors m7c,1b --batch 2,2 --seq 8192] [--rounds 2] [--tag NAME] [--time-limit SECONDS]
 
 Why not ``ab_attention.py``: its eager do_bench times include the host, which at 2k-8k is a large and noisy share
 of the attention (NOTES_kernels.md); the sum of kernel times from the profiler is what a change to the kernels
 moves. Each tree runs ``profile_block.py`` in its own process, from its own folder, with its own inductor cache
 (a shared one made a baseline tree's run fail), and the rounds interleave: baseline, this tree, baseline, ...
 Writes ``ab_profile<tag>_<device>.json`` and ``.md``: per case (attention config or block) each round's total kernel
-ms, the median's speed-up, and the kernels that moved most. Needs a GPU; the comparison itself is tested on CPU.
+ms, the median's speed-up, and the kernels that moved most, rewritten after every round (a device call that runs out
+of time keeps the rounds it finished; ``--time-limit`` starts no round that would not end in time). Needs a GPU; the
+comparison itself is tested on CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -69,7 +72,8 @@ def compare(base_rounds: list[dict], new_rounds: list[dict], top: int = 6) -> li
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# A/B of GPU kernel time: {meta.get('device')}", "",
              f"torch {meta.get('torch')}, triton {meta.get('triton')}, {meta.get('date')}; baseline "
-             f"`{meta.get('baseline')}` against this tree, {meta.get('rounds')} interleaved rounds; sum of kernel "
+             f"`{meta.get('baseline')}` against this tree, {meta.get('rounds_done', meta.get('rounds'))} of "
+             f"{meta.get('rounds')} interleaved rounds; sum of kernel "
              "times from torch.profiler (`profile_block.py`), forward + backward.", "",
              "| case | baseline ms (rounds) | new ms (rounds) | speed-up "
              "| kernels that moved most (baseline -> new ms) |",
@@ -104,6 +108,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--time-limit", type=float, default=0.0,
+                    help="seconds: start no round that the rounds so far say would end past it (0: no limit)")
     a = ap.parse_args()
     if not os.path.isfile(os.path.join(a.baseline, "benchmarks", "profile_block.py")):
         raise SystemExit(f"--baseline {a.baseline}: no benchmarks/profile_block.py there; pass a whole checkout "
@@ -114,27 +120,38 @@ def main() -> None:
     if a.flavors:
         args += ["--flavors", a.flavors] + (["--batch", a.batch] if a.batch else [])
     rounds: dict[str, list[dict]] = {"baseline": [], "new": []}
-    meta = {}
+    meta = dict(baseline=a.baseline, rounds=a.rounds, args=args)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.rounds):
+            if i and a.time_limit and time.monotonic() - start > a.time_limit * i / (i + 1):
+                print(f"time limit: stopping after {i} of {a.rounds} rounds", flush=True)  # another would not fit
+                break
             for label, tree in (("baseline", os.path.abspath(a.baseline)), ("new", REPO)):
                 out = os.path.join(tmp, f"{label}{i}")
                 os.makedirs(out)
                 payload = run_tree(tree, args, out, os.path.join(tmp, f"inductor_{label}"))
-                meta = {k: payload.get(k) for k in ("device", "torch", "triton", "date")}
+                meta.update({k: payload.get(k) for k in ("device", "torch", "triton", "date")})
                 rounds[label].append(kernel_times(payload))
                 print(label, i, {k: round(v["total"], 4) for k, v in rounds[label][-1].items()}, flush=True)
-    rows = compare(rounds["baseline"], rounds["new"])
-    meta.update(baseline=a.baseline, rounds=a.rounds, args=args)
-    base = os.path.join(a.out, f"ab_profile{a.tag}_" + str(meta["device"]).replace(" ", "_"))
-    os.makedirs(a.out, exist_ok=True)
+            # after every round: a call that runs out of time keeps the rounds it finished
+            print(write_results(a.out, a.tag, meta, rounds), flush=True)
+
+
+def write_results(out: str, tag: str, meta: dict, rounds: dict[str, list[dict]]) -> str:
+    """ab_profile<tag>_<device>.json and .md from the rounds done so far (``rounds_done`` says how many); returns
+    the markdown."""
+    done = min(len(rounds["baseline"]), len(rounds["new"]))
+    rows = compare(rounds["baseline"][:done], rounds["new"][:done])
+    meta = {**meta, "rounds_done": done}
+    base = os.path.join(out, f"ab_profile{tag}_" + str(meta.get("device")).replace(" ", "_"))
+    os.makedirs(out, exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump({**meta, "rows": rows, "rounds": rounds}, f, indent=1)
     md = markdown(rows, meta)
     with open(base + ".md", "w") as f:
         f.write(md)
-    print(md)
-
+    return md
 
 if __name__ == "__main__":
     main()

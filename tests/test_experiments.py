@@ -471,6 +471,12 @@ def test_ab_profile_compares_rounds_by_median_and_names_the_kernels_that_moved(t
     assert mod.kernel_times(twice)["attention m7c T=8192 B=2"]["kernels"]["cub::Onesweep<.."] == 0.045 + 0.011
     md = mod.markdown(list(rows.values()), dict(device="H100", baseline="/tmp/b", rounds=2))
     assert "| attention 1b T=8192 B=2 | 2.700 / 2.600 | 2.500 / 2.550 | 1.050x |" in md
+    # written after every round: a call cut short keeps the rounds that both trees finished
+    meta = dict(device="H100 x", baseline="/tmp/b", rounds=3)
+    partial = mod.write_results(str(tmp_path / "out"), "_t", meta, {"baseline": base, "new": new[:1]})
+    assert "1 of 3 interleaved rounds" in partial and "| 2.700 | 2.500 |" in partial
+    saved = json.loads((tmp_path / "out" / "ab_profile_t_H100_x.json").read_text())
+    assert saved["rounds_done"] == 1 and len(saved["rounds"]["baseline"]) == 2
     res = subprocess.run([sys.executable, str(path), "--baseline", str(tmp_path), "--attention", "1b"],
                          capture_output=True, text=True)
     assert res.returncode != 0 and "no benchmarks/profile_block.py there" in res.stderr
