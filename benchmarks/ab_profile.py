@@ -153,5 +153,6 @@ def write_results(out: str, tag: str, meta: dict, rounds: dict[str, list[dict]])
         f.write(md)
     return md
 
+
 if __name__ == "__main__":
     main()
