@@ -47,7 +47,7 @@ from nsa_titan.fault import Preempted, Resilience, TrainHooks, collective_failur
 from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.models.nsa.local_attention import describe as describe_attention
-from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, parallelize_nsa
+from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, early_unshard, parallelize_nsa
 
 
 def _print0(world: World, *args: Any) -> None:
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     model = build_training_model(job_config, dataclasses.replace(model_args, attn_impl=attn_impl), device, world,
                                  parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
+    # parallelism.fsdp_unshard_early: the next forward's first units all-gathered right after each optimizer step
+    unshard_early = early_unshard(model, job_config.parallelism,
+                                  parallel_dims.data_parallel if parallel_dims.dp_enabled else "none")
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
     diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
     flops_per_token = training_flops_per_token(model_args, tc.seq_len)
@@ -247,6 +250,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                                              dp_degree=parallel_dims.dp_degree,
                                              grad_sync=job_config.parallelism.grad_sync,
                                              shard_local=job_config.optimizer.shard_local)
+            if unshard_early is not None:
+                unshard_early()
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
             collector.step(step)  # inside the step's time: its cost is part of training
             logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from _reference_step import reference_forward_backward
 from nsa_titan.components.optimizer import build_optimizer
@@ -29,7 +30,7 @@ from nsa_titan.components.train_step import clip_grad_norm, forward_backward, fu
 from nsa_titan.config import load_job_config
 from nsa_titan.data import IGNORE_INDEX
 from nsa_titan.models import build_model, get_model_args
-from nsa_titan.parallelisms import ParallelDims, materialize, parallelize_nsa
+from nsa_titan.parallelisms import ParallelDims, early_unshard, materialize, parallelize_nsa
 
 WORLD = 2
 SEQ, LOCAL_BS, STEPS = 32, 2, 3
@@ -130,6 +131,7 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     params = [p for p in model.parameters()]
     rank, losses, grads, norms = dist.get_rank(), [], [], []
     sync_every = cfg.parallelism.grad_sync == "every_micro_batch"
+    unshard_early = early_unshard(model, cfg.parallelism, cfg.parallelism.data_parallel)
     for step in range(steps):
         mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
         loss = forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)
@@ -138,6 +140,9 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
         norms.append(clip_grad_norm(model, params, 1.0, shard_local).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if unshard_early is not None:  # as the trainer does; the next forward must find the new weights gathered
+            unshard_early()
+            assert not any(isinstance(p, DTensor) for p in model.layers["0"].parameters()), "first unit not gathered"
     return losses, grads, norms
 
 
@@ -208,6 +213,10 @@ def _parity_cases():
         # ratio 0.5 of 3 blocks checkpoints blocks 0 and 2: one unit holds a recomputed and a plain block
         ("fsdp2_units2_ratio_ga2", [*fs2, "--parallelism.fsdp_blocks_per_unit", "2", "--activation_checkpoint.mode",
                                     "ratio", "--activation_checkpoint.ratio", "0.5"], 3, 2),
+        # the first units gathered after each optimizer step (the trainer's order): the next forward must use the
+        # updated weights (a stale gather would change the losses from step 2 on)
+        ("fsdp2_unshard_early_units2_ga2", [*fs2, "--parallelism.fsdp_unshard_early",
+                                            "--parallelism.fsdp_blocks_per_unit", "2"], 3, 2),
         ("fsdp2_always_reshard_cpu_offload", [*fs2, "--parallelism.fsdp_reshard_after_forward", "always",
                                               "--parallelism.fsdp_cpu_offload"], 2, 1),
         ("fsdp1_grad_op_post_prefetch", ["--parallelism.data_parallel", "fsdp1",

@@ -343,3 +343,10 @@ def test_fsdp_blocks_per_unit_is_for_fsdp2_and_positive():
     assert "must be >= 1" in _error(["--parallelism.fsdp_blocks_per_unit", "0"])
     msg = _error(["--parallelism.data_parallel", "ddp", "--parallelism.fsdp_blocks_per_unit", "2"])
     assert "parallelism.fsdp_blocks_per_unit" in msg and "use fsdp2" in msg
+
+
+def test_fsdp_unshard_early_is_for_fsdp2():
+    assert load_job_config(["--parallelism.fsdp_unshard_early"]).parallelism.fsdp_unshard_early
+    for dp in ("fsdp1", "ddp"):
+        msg = _error(["--parallelism.data_parallel", dp, "--parallelism.fsdp_unshard_early"])
+        assert "parallelism.fsdp_unshard_early" in msg and "use fsdp2" in msg

@@ -53,7 +53,8 @@ def test_fsdp2_fsdp1_ddp_match_single_process():
     cases = [f"{dp}_{v}" for dp in ("fsdp2", "fsdp1", "ddp") for v in ("ga1", "ga2", "ga2_sync_every", "init")]
     cases += ["fsdp2_hsdp_2x1_ga2", "fsdp2_dtensor_step_ga2", "fsdp2_never_reshard_prefetch1",
               "fsdp2_units2_prefetch1_ga2",
-              "fsdp2_units2_full_ac", "fsdp2_units2_ratio_ga2", "fsdp2_units2_init", "fsdp2_always_reshard_cpu_offload",
+              "fsdp2_units2_full_ac", "fsdp2_units2_ratio_ga2", "fsdp2_units2_init", "fsdp2_unshard_early_units2_ga2",
+              "fsdp2_always_reshard_cpu_offload",
               "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph"]
     _check(results, cases)
     assert results["fsdp2_units2_init"]["units"] == [0, 0, 2]  # blocks 0 and 1 share a unit, block 2 is alone
@@ -380,10 +381,12 @@ def test_run_train_sh_two_cpu_processes(tmp_path):
            "--training.grad_accum_steps", "2", "--training.steps", "6", "--metrics.log_freq", "3",
            "--metrics.val_freq", "0", "--lr_scheduler.warmup_steps", "2", "--parallelism.data_parallel", "fsdp2",
            "--activation_checkpoint.mode", "ratio",
-           "--activation_checkpoint.ratio", "0.5", "--job.dump_folder", str(tmp_path)]
+           "--activation_checkpoint.ratio", "0.5", "--parallelism.fsdp_unshard_early", "--job.dump_folder",
+           str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fsdp2 over 2 ranks" in proc.stdout and "ratio 0.5 (blocks [0])" in proc.stdout
+    assert "first units gathered after each step" in proc.stdout
     import json
 
     summary = json.loads((tmp_path / "summary.json").read_text())

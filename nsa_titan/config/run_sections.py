@@ -49,6 +49,12 @@ class Parallelism:
     (hooks, copying the gathered buffer into each parameter): m7c at 8k, batch 2, ran at 61.6 % of one GPU on
     two H100s with 1 (docs/experiments.md). k > 1 divides that host time by k and holds k blocks unsharded at
     once (more memory)."""
+    fsdp_unshard_early: bool = False
+    """fsdp2: all-gather the first units of the forward (the embedding and the first block's unit) right after
+    each optimizer step instead of in the next forward's first hooks. On a host-bound step (m7c at 8k on two
+    GPUs) the next forward started with ~5 ms of FSDP2 host work and an idle GPU (docs/experiments.md); done
+    early, that work overlaps the optimizer's kernels and the data loading. Holds those units unsharded between
+    steps (more memory). Off by default until measured on GPUs."""
     fsdp1_sharding_strategy: Literal["full", "grad_op", "hybrid"] = "full"
     """fsdp1: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (needs dp_replicate > 1)."""
     fsdp1_use_orig_params: bool = True
@@ -74,6 +80,8 @@ class Parallelism:
                f"must be >= 1, got {self.fsdp_blocks_per_unit}")
         _check(self.fsdp_blocks_per_unit == 1 or self.data_parallel == "fsdp2", "parallelism.fsdp_blocks_per_unit",
                f"groups FSDP2's units only: leave it at 1 with data_parallel={self.data_parallel}, or use fsdp2")
+        _check(not self.fsdp_unshard_early or self.data_parallel == "fsdp2", "parallelism.fsdp_unshard_early",
+               f"unshards FSDP2's units only: leave it off with data_parallel={self.data_parallel}, or use fsdp2")
         rafp = self.fsdp_reshard_after_forward
         _check(not isinstance(rafp, int) or rafp >= 2, "parallelism.fsdp_reshard_after_forward",
                f"an int must be >= 2 (a reshard world size), got {rafp}; or use default/always/never")

@@ -94,6 +94,27 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, pcfg: Any, param_dtype: torc
             unit.set_modules_to_backward_prefetch(firsts[max(0, i - n):i][::-1])
 
 
+class _UnshardFirstUnits:
+    """Called after each optimizer step (parallelism.fsdp_unshard_early): all-gathers the first units of the next
+    forward (the embedding, the first block's unit), so that FSDP2's pre-forward finds them unsharded. FSDP2's
+    state_dict hooks reshard them for a checkpoint, and the forward reshards them by its own policy."""
+
+    def __init__(self, units: list):
+        self.units = units
+
+    def __call__(self) -> None:
+        for unit in self.units:
+            unit.unshard()
+
+
+def early_unshard(model: nn.Module, pcfg: Any, kind: str) -> _UnshardFirstUnits | None:
+    """What the trainer calls after each optimizer step under ``parallelism.fsdp_unshard_early`` (None: nothing).
+    ``kind``: the data parallelism applied ('none' with one rank: nothing is sharded)."""
+    if kind != "fsdp2" or not pcfg.fsdp_unshard_early:
+        return None
+    return _UnshardFirstUnits([model.tok_embeddings, next(iter(model.layers.values()))])
+
+
 class _InitEach:
     """The initialiser of a unit of several blocks: each block's, in order (an object, not a closure in a loop:
     each unit keeps its own list)."""

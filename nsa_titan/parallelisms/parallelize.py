@@ -89,6 +89,8 @@ def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers:
              " x ".join(f"{n}={s}" for n, s in zip(names, shape)) + f", grad sync {pc.grad_sync}"
         if parallel_dims.data_parallel == "fsdp2" and pc.fsdp_blocks_per_unit > 1:
             dp += f", {pc.fsdp_blocks_per_unit} blocks per unit"
+        if parallel_dims.data_parallel == "fsdp2" and pc.fsdp_unshard_early:
+            dp += ", first units gathered after each step"
     else:
         dp = "no data parallelism (1 rank)"
     if ac.mode == "ratio":
