@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                                  parallel_dims)
     compile_counter = CompileCounter(model)  # compilation happens lazily, at each block's first call
     # parallelism.fsdp_unshard_early: the next forward's first units all-gathered right after each optimizer step
-    unshard_early = early_unshard(model, job_config.parallelism,
-                                  parallel_dims.data_parallel if parallel_dims.dp_enabled else "none")
+    unshard_early = early_unshard(model, job_config.parallelism)
     # NSA diagnostics, collected during the forward of log steps only (components/diagnostics.py).
     diagnostics = NSADiagnostics.attach(model) if mc.nsa_diagnostics else NSADiagnostics()
     flops_per_token = training_flops_per_token(model_args, tc.seq_len)

@@ -131,7 +131,8 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     params = [p for p in model.parameters()]
     rank, losses, grads, norms = dist.get_rank(), [], [], []
     sync_every = cfg.parallelism.grad_sync == "every_micro_batch"
-    unshard_early = early_unshard(model, cfg.parallelism, cfg.parallelism.data_parallel)
+    unshard_early = early_unshard(model, cfg.parallelism)
+    assert (unshard_early is not None) == cfg.parallelism.fsdp_unshard_early, "fsdp_unshard_early not applied"
     for step in range(steps):
         mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
         loss = forward_backward(model, mbs, dp_degree=dims.dp_degree, sync_every_micro_batch=sync_every)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -107,10 +108,10 @@ class _UnshardFirstUnits:
             unit.unshard()
 
 
-def early_unshard(model: nn.Module, pcfg: Any, kind: str) -> _UnshardFirstUnits | None:
-    """What the trainer calls after each optimizer step under ``parallelism.fsdp_unshard_early`` (None: nothing).
-    ``kind``: the data parallelism applied ('none' with one rank: nothing is sharded)."""
-    if kind != "fsdp2" or not pcfg.fsdp_unshard_early:
+def early_unshard(model: nn.Module, pcfg: Any) -> _UnshardFirstUnits | None:
+    """What the trainer calls after each optimizer step under ``parallelism.fsdp_unshard_early`` (None: nothing,
+    also when the model was not sharded by FSDP2, e.g. one rank)."""
+    if not pcfg.fsdp_unshard_early or not isinstance(model.tok_embeddings, FSDPModule):
         return None
     return _UnshardFirstUnits([model.tok_embeddings, next(iter(model.layers.values()))])
 

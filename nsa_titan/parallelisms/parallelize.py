@@ -87,10 +87,9 @@ def describe_parallelism(parallel_dims: ParallelDims, job_config: Any, n_layers:
         shape, names = parallel_dims.mesh_shape()
         dp = f"{parallel_dims.data_parallel} over {parallel_dims.dp_degree} ranks, mesh " + \
              " x ".join(f"{n}={s}" for n, s in zip(names, shape)) + f", grad sync {pc.grad_sync}"
-        if parallel_dims.data_parallel == "fsdp2" and pc.fsdp_blocks_per_unit > 1:
-            dp += f", {pc.fsdp_blocks_per_unit} blocks per unit"
-        if parallel_dims.data_parallel == "fsdp2" and pc.fsdp_unshard_early:
-            dp += ", first units gathered after each step"
+        if parallel_dims.data_parallel == "fsdp2":
+            dp += f", {pc.fsdp_blocks_per_unit} blocks per unit" if pc.fsdp_blocks_per_unit > 1 else ""
+            dp += ", first units gathered after each step" if pc.fsdp_unshard_early else ""
     else:
         dp = "no data parallelism (1 rank)"
     if ac.mode == "ratio":
