@@ -54,7 +54,7 @@ class Parallelism:
     each optimizer step instead of in the next forward's first hooks. On a host-bound step (m7c at 8k on two
     GPUs) the next forward started with ~5 ms of FSDP2 host work and an idle GPU (docs/experiments.md); done
     early, that work overlaps the optimizer's kernels and the data loading. Holds those units unsharded between
-    steps (more memory). Off by default until measured on GPUs."""
+    steps (more memory). Off by default: on two H100s it measured no gain for m7c (docs/experiments.md)."""
     fsdp1_sharding_strategy: Literal["full", "grad_op", "hybrid"] = "full"
     """fsdp1: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (needs dp_replicate > 1)."""
     fsdp1_use_orig_params: bool = True
