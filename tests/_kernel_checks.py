@@ -37,9 +37,6 @@ PREFIX_CASES = [
     ("prefix_all_doc", 1, 60, 4, 2, 32, 32, (8, 4, 16, 4, 24), "float32", [[0, 23, 40]], -1),
 ]
 TOL = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 2e-2}
-# The block-centric forward in the shared inputs: 32-row items, chunks of 16 tokens (the ring of chunk slots wraps
-# at every case's length) and merge items of 4 tokens.
-BLOCKS_CFG = dict(algo="blocks", rows=32, chunk_tokens=16, merge_tokens=4)
 
 
 def doc_starts(starts_per_row, t):
@@ -166,7 +163,7 @@ def _sel_inputs(case, device):
     """The selected-branch checks' shared inputs for one case, made once for the three of them: random q, K/V of the
     compressed and the selected branch, dO; the compressed branch's LSE; the selection with chunks of 16 compressed
     tokens merged both ways (select_merge; the default chunks run in the whole-attention cases); the block-centric
-    forward (BLOCKS_CFG) with its sorted pair keys. None when T < l (no compressed token)."""
+    forward (32-row chunks) with its sorted pair keys. None when T < l (no compressed token)."""
     import torch
 
     from nsa_titan.kernels import band, select, selected
@@ -185,17 +182,15 @@ def _sel_inputs(case, device):
             _, lse_c = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
             idx_topk, idx = (select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
                                                   cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted"))
-            o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=BLOCKS_CFG, doc_start=doc,
-                                            with_pairs=True)
+            o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
+                                            doc_start=doc, with_pairs=True)
             x = dict(p=p, doc=doc, q=q, ks=ks, vs=vs, do=do, idx_topk=idx_topk, idx=idx, o=o, lse=lse, keys=keys)
         _SEL_INPUTS[case[0], device] = x
     return _SEL_INPUTS[case[0], device]
 
 
 def _blocks_fwd_check(device):
-    """The block-centric selected forward (selected_ring.py) against the token-centric one, every case: with
-    BLOCKS_CFG's chunks of 16 tokens (several chunks per sequence, so the ring of chunk slots wraps and items wait
-    for each other) and with one chunk per sequence (its default at these lengths)."""
+    """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case."""
     import torch
 
     from nsa_titan.kernels import selected
@@ -206,15 +201,11 @@ def _blocks_fwd_check(device):
             continue
         o_tok, lse_tok = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
                                           cfg=dict(algo="token"), doc_start=x["doc"])
-        one_chunk = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
-                                     cfg=dict(algo="blocks", rows=32), doc_start=x["doc"])
-        w = 0.0
-        for o_blk, lse_blk in ((x["o"], x["lse"]), one_chunk):
-            same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
-            fin = torch.isfinite(lse_tok)
-            err = max(rel_err(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
-            w = max(w, err if same_inf and err < TOL[case[8]] else float("inf"))
-        worst[case[0]] = w
+        o_blk, lse_blk = x["o"], x["lse"]
+        same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
+        fin = torch.isfinite(lse_tok)
+        w = max(rel_err(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
+        worst[case[0]] = w if same_inf and w < TOL[case[8]] else float("inf")
     return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf"),
             "worst": worst}
 

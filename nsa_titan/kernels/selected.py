@@ -17,8 +17,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E
 from nsa_titan.kernels.combine import pow2
-from nsa_titan.kernels.selected_blocks import load_kv_rows
-from nsa_titan.kernels.selected_ring import sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tuned import TUNED
 
 
