@@ -121,10 +121,13 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
         c = dict(NPI=2 if pow2(lp) <= 64 and dmax <= 128 else 1, rows=rows,
                  num_warps=8 if (kernel == "sel_dkdv" and rows >= 128) else 4, num_stages=2)
         if kernel == "sel_fwd" and pow2(G) <= 8 and dmax <= 128 and q.shape[0] * q.shape[1] >= 16384:
-            # Block-centric forward for small groups (selected_blocks.py), 128-row chunks. H100, bf16
-            # (sweep_selected_blocks_*): m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k
-            # 2.14 -> 1.88, 32k 8.74 -> 7.22; it loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1.
-            c.update(algo="blocks", rows=128)
+            # Block-centric forward for small groups (selected_blocks.py). H100, bf16 (sweep_selected_blocks_*):
+            # m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k 2.14 -> 1.88, 32k 8.74 -> 7.22; it
+            # loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1. Four tiles per program (one K/V load, the
+            # next tile's gathers overlap this one's MMAs), the whole forward with its sort and merge against one
+            # 128-row tile (tiles_sweep_H100.json): m7c 8k B=2 0.741 -> 0.593 ms with 64-row tiles and one stage,
+            # 2k B=8 0.644 -> 0.510, 32k 1.490 -> 1.188; qwen7b (head dim 128) 8k 1.313 -> 1.181 with 128 rows.
+            c.update(algo="blocks", rows=128 if dmax > 64 else 64, tiles=4, num_stages=2 if dmax > 64 else 1)
     if kernel == "sel_dkdv":
         # Rows per pair: exactly G (no padded heads) where it costs no spills. sm_90 offline compile
         # (kernel_resources.py): m7c (head dim 64) 254 registers, no spills either way; qwen7b (G 7, head dim

@@ -54,10 +54,12 @@ def load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK: tl
 @triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
-                    NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
-    """One program: one K/V block and BT of its (token, slot) pairs, packed exactly as ROWS >= BT * G matrix rows
-    (row r: pair r // G, head r % G; G a constexpr, so no group is padded to a power of two)."""
+                    NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
+    """One program: one K/V block and up to TILES tiles of BT of its (token, slot) pairs, each tile packed exactly
+    as ROWS >= BT * G matrix rows (row r: pair r // G, head r % G; G a constexpr, so no group is padded to a
+    power of two). The K/V block is loaded once for all tiles, and the loop lets the next tile's gathers overlap
+    this one's MMAs (num_stages)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, ROWS)
@@ -67,21 +69,30 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
     seg = OFF + pid_bh.to(tl.int64) * (NB + 1) + blk
     lo = tl.load(seg)
     hi = tl.load(seg + 1)
-    e0 = lo + (pid - tl.load(COFF + pid_bh.to(tl.int64) * (NB + 1) + blk)) * BT
-    e = e0 + r // G
-    g = r % G
-    row_ok = (e < hi) & (r < BT * G)
-    key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=row_ok, other=0)
-    tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
-    slot = key - tq * NSEL
-    t = tl.where(row_ok, tq - blk * T, 0)
-    h = kv * G + g
+    c0 = lo + (pid - tl.load(COFF + pid_bh.to(tl.int64) * (NB + 1) + blk)) * (BT * TILES)
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
-    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
     k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
+    g = r % G
+    h = kv * G + g
+    for i in range(0, tl.cdiv(tl.minimum(hi - c0, BT * TILES), BT)):
+        e = c0 + i * BT + r // G
+        row_ok = (e < hi) & (r < BT * G)
+        key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=row_ok, other=0)
+        tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
+        slot = key - tq * NSEL
+        t = tl.where(row_ok, tq - blk * T, 0)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        _sel_fwd_tile(q, k, v, t, slot, g, row_ok, blk, b, kv, OP, LP_, DS, T, HKV, qk_scale, s_pos, sj, dv, LP, G,
+                      NSEL, DV, DOC)
+
+
+@triton.jit
+def _sel_fwd_tile(q, k, v, t, slot, g, row_ok, blk, b, kv, OP, LP_, DS, T, HKV, qk_scale, s_pos, sj, dv,
+                  LP: tl.constexpr, G: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr, DOC: tl.constexpr):
+    """One tile's attention over its block, stored as partials."""
     s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
     # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T and
     # the block). Invalid rows have q = 0: finite scores, never stored.
@@ -311,20 +322,21 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int, keys: torch.Tensor | 
 
 def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
-    selected._consts/_cfg (rows, warps, stages)."""
+    selected._consts/_cfg (rows, warps, stages; tiles: tiles of pairs per program, default 1)."""
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     G, n = HQ // HKV, block_idx.shape[-1]
     rows = max(lc["rows"], pow2(G))
     bt = rows // G  # pairs per program: their G heads each are packed rows, the last rows - bt * G unused
     nb = -(-T // slc_block)
-    keys, off, coff, _, prog = block_pairs(block_idx, nb, bt)
+    tiles = lc.get("tiles", 1)  # tiles of bt pairs per program
+    keys, off, coff, _, prog = block_pairs(block_idx, nb, bt * tiles)
     op = q.new_empty(B, T, HKV, n, G, DV)  # every used slot is written; unused ones are masked in the merge
     lp = torch.empty(B, T, HKV, n, G, device=q.device, dtype=torch.float32)
     _sel_fwd_blocks[(prog.shape[1], B * HKV)](
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
-        BT=bt, ROWS=rows, **consts, DOC=doc_start is not None,
+        BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
