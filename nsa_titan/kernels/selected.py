@@ -98,6 +98,11 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
 # head and token: 8x dQ's size at l' = 64, n = 16, head dim 128). Above this size dQ recomputes instead, which
 # keeps the long-sequence rows' peak memory where it was (1b at 64k: 2 GiB; paper config at 64k: 8 GiB).
 DS_BUDGET = 1 << 30
+# B * T from which groups of <= 8 heads run the forward block-centric (_cfg). With 4 tiles per program it wins at
+# every size measured, the whole attention fwd+bwd on an H100 (blocks_threshold_H100.json): m7c batch 1 at 2k
+# 1.03x, 4k 1.24x, 8k 1.27x; qwen7b batch 1 at 4k 1.17x, 8k 1.18x (16384 before attempt 51). 2048 is the smallest
+# measured; below T = n * l' every token runs as the causal prefix anyway (causal_prefix).
+BLOCKS_MIN_TOKENS = 2048
 
 
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
@@ -120,11 +125,11 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
         rows = 64 if dmax > 128 else 128
         c = dict(NPI=2 if pow2(lp) <= 64 and dmax <= 128 else 1, rows=rows,
                  num_warps=8 if (kernel == "sel_dkdv" and rows >= 128) else 4, num_stages=2)
-        if kernel == "sel_fwd" and pow2(G) <= 8 and dmax <= 128 and q.shape[0] * q.shape[1] >= 16384:
+        if kernel == "sel_fwd" and pow2(G) <= 8 and dmax <= 128 and q.shape[0] * q.shape[1] >= BLOCKS_MIN_TOKENS:
             # Block-centric forward for small groups (selected_blocks.py). H100, bf16 (sweep_selected_blocks_*):
             # m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k 2.14 -> 1.88, 32k 8.74 -> 7.22; it
-            # loses at G=16 (1b 8k 0.54 -> 0.94) and at m7c 8k B=1. Four tiles per program (one K/V load, the
-            # next tile's gathers overlap this one's MMAs), the whole forward with its sort and merge against one
+            # loses at G=16 (1b 8k 0.54 -> 0.94); BLOCKS_MIN_TOKENS for small B * T. Four tiles per program (one
+            # K/V load, the next tile's gathers overlap this one's MMAs), the forward with sort and merge against one
             # 128-row tile (tiles_sweep_H100.json): m7c 8k B=2 0.741 -> 0.593 ms with 64-row tiles and one stage,
             # 2k B=8 0.644 -> 0.510, 32k 1.490 -> 1.188; qwen7b (head dim 128) 8k 1.313 -> 1.181 with 128 rows.
             c.update(algo="blocks", rows=128 if dmax > 64 else 64, tiles=4, num_stages=2 if dmax > 64 else 1)
