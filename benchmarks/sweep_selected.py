@@ -55,7 +55,10 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
                  dict(rows=32, num_warps=4, num_stages=2), dict(rows=128, num_warps=4, num_stages=2),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=16),
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=32),
-                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256)],
+                 dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256),
+                 # one stage (the block-centric forward's gathers ran fastest with one, attempt 51)
+                 dict(rows=64, num_warps=4, num_stages=1), dict(rows=32, num_warps=4, num_stages=1),
+                 dict(rows=128, num_warps=8, num_stages=1)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
     # per chunk; the first is the heuristic default (tuned.py picks 256 rows / 8 warps for m7c). Each is held to
     # the float64 selection (float64_selection).

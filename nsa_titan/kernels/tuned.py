@@ -28,6 +28,11 @@ TUNED: dict[tuple, dict] = {
     # forward 0.51 -> 0.42 ms; band backward with this dQ: compressed 1.66 -> 1.53, window 0.97 -> 0.89; with
     # this dK/dV: compressed 1.67 -> 1.48, window 0.97 -> 0.82.
     ("band_fwd", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    # Window forward at m7c, 8k batch 2 (sweep_band_m7c8k_b2_s12_*): 0.147 ms with the default 128 rows / 8 warps,
+    # 0.115 with 64 / 4. Profiled against the default in one call (ab_profile_tuned_*_H100.md, which also carried a
+    # dK/dV chunk change that was dropped): both band forwards 0.217 -> 0.185 ms at 8k batch 2, 0.235 -> 0.209 at
+    # 2k batch 8, 0.597 -> 0.546 at 32k batch 1 (an older batch-1 sweep had 128 rows 5 % faster at 32k).
+    ("band_fwd", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dq", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dq", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
