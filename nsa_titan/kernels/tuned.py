@@ -18,10 +18,13 @@ TUNED: dict[tuple, dict] = {
     ("band_fwd", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     # Compressed dK/dV at head dim 128: the interior split is slower here (1b 0.38 -> 0.32 / 3.32 -> 2.77 ms
     # without it; qwen7b 0.59 -> 0.52 / 5.85 -> 5.18). Window dK/dV: 128 rows / 8 warps fit with 2 stages
-    # (1b 0.53 -> 0.44 / 1.68 -> 1.64; qwen7b 0.90 -> 0.82 / 3.62 -> 3.18).
+    # (1b 0.53 -> 0.44 / 1.68 -> 1.64; qwen7b 0.90 -> 0.82 / 3.62 -> 3.18); for G 16, 64 rows / 4 warps / 3 stages
+    # since the twelfth session (sweep_band_1b8k_b2_s12_*: window backward 0.844 -> 0.759 ms at 1b 8k batch 2;
+    # profiled, ab_profile_bandwin_1b_*_H100.md: both band dK/dV 0.787 -> 0.700 ms at 8k batch 2, 2.816 -> 2.630
+    # at 32k batch 1). qwen7b's (G 8 key) was not re-swept.
     ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
-    ("band_dkdv", 16, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
+    ("band_dkdv", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
     # m7c (G 6, head dim 64): 64 rows / 4 warps but for the window forward; from the 32k runs (at 8k the band
     # backward takes ~0.2-0.3 ms and varied up to 1.7x between identical launches: host-bound). Compressed
