@@ -129,7 +129,7 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
             # Block-centric forward for small groups (selected_blocks.py). H100, bf16 (sweep_selected_blocks_*):
             # m7c 8k B=2 1.25 -> 1.07 ms, m7c 32k 2.45 -> 2.01, qwen7b (G=7) 8k 2.14 -> 1.88, 32k 8.74 -> 7.22; it
             # loses at G=16 (1b 8k 0.54 -> 0.94); BLOCKS_MIN_TOKENS for small B * T. Four tiles per program (one
-            # K/V load, the next tile's gathers overlap this one's MMAs), the forward with sort and merge against one
+            # K/V load; 4 programs per SM at 64 rows instead of 2), the forward with sort and merge against one
             # 128-row tile (tiles_sweep_H100.json): m7c 8k B=2 0.741 -> 0.593 ms with 64-row tiles and one stage,
             # 2k B=8 0.644 -> 0.510, 32k 1.490 -> 1.188; qwen7b (head dim 128) 8k 1.313 -> 1.181 with 128 rows.
             c.update(algo="blocks", rows=128 if dmax > 64 else 64, tiles=4, num_stages=2 if dmax > 64 else 1)
