@@ -21,7 +21,8 @@ TUNED: dict[tuple, dict] = {
     # (1b 0.53 -> 0.44 / 1.68 -> 1.64; qwen7b 0.90 -> 0.82 / 3.62 -> 3.18); for G 16, 64 rows / 4 warps / 3 stages
     # since the twelfth session (sweep_band_1b8k_b2_s12_*: window backward 0.844 -> 0.759 ms at 1b 8k batch 2;
     # profiled, ab_profile_bandwin_1b_*_H100.md: both band dK/dV 0.787 -> 0.700 ms at 8k batch 2, 2.816 -> 2.630
-    # at 32k batch 1). qwen7b's (G 8 key) was not re-swept.
+    # at 32k batch 1). Not for qwen7b (the G 8 key): 64 rows there were slower (ab_profile_bandwin_qwen7b_*: 0.715
+    # -> 0.789 ms at 8k, 5.01 -> 5.26 at 32k).
     ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
     ("band_dkdv", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
