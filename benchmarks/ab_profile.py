@@ -8,10 +8,10 @@ Why not ``ab_attention.py``: its eager do_bench times include the host, which at
 of the attention (NOTES_kernels.md); the sum of kernel times from the profiler is what a change to the kernels
 moves. Each tree runs ``profile_block.py`` in its own process, from its own folder, with its own inductor cache
 (a shared one made a baseline tree's run fail), and the rounds interleave: baseline, this tree, baseline, ...
-Writes ``ab_profile<tag>_<device>.json`` and ``.md``: per case (attention config or block) each round's total kernel
-ms, the median's speed-up, and the kernels that moved most, rewritten after every round (a device call that runs out
-of time keeps the rounds it finished; ``--time-limit`` starts no round that would not end in time). Needs a GPU; the
-comparison itself is tested on CPU.
+Writes ``ab_profile_<tag>_<device>.json`` and ``.md`` (the tag's leading "_" is optional): per case (attention
+config or block) each round's total kernel ms, the median's speed-up, and the kernels that moved most, rewritten after
+every round (a device call that runs out of time keeps the rounds it finished; ``--time-limit`` starts no round that
+would not end in time). Needs a GPU; the comparison itself is tested on CPU.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def write_results(out: str, tag: str, meta: dict, rounds: dict[str, list[dict]])
     done = min(len(rounds["baseline"]), len(rounds["new"]))
     rows = compare(rounds["baseline"][:done], rounds["new"][:done])
     meta = {**meta, "rounds_done": done}
+    tag = tag if not tag or tag.startswith("_") else "_" + tag  # "--tag ring_8k" wrote ab_profilering_8k_*
     base = os.path.join(out, f"ab_profile{tag}_" + str(meta.get("device")).replace(" ", "_"))
     os.makedirs(out, exist_ok=True)
     with open(base + ".json", "w") as f:

@@ -477,6 +477,9 @@ def test_ab_profile_compares_rounds_by_median_and_names_the_kernels_that_moved(t
     assert "1 of 3 interleaved rounds" in partial and "| 2.700 | 2.500 |" in partial
     saved = json.loads((tmp_path / "out" / "ab_profile_t_H100_x.json").read_text())
     assert saved["rounds_done"] == 1 and len(saved["rounds"]["baseline"]) == 2
+    mod.write_results(str(tmp_path / "out2"), "t", meta, {"baseline": base, "new": new})  # a tag without its "_"
+    assert [f.name for f in sorted((tmp_path / "out2").iterdir())] == ["ab_profile_t_H100_x.json",
+                                                                         "ab_profile_t_H100_x.md"]
     res = subprocess.run([sys.executable, str(path), "--baseline", str(tmp_path), "--attention", "1b"],
                          capture_output=True, text=True)
     assert res.returncode != 0 and "no benchmarks/profile_block.py there" in res.stderr
