@@ -505,3 +505,26 @@ def test_whole_model_table_judges_a_target_only_against_a_dense_run():
     md = mod.markdown(alone + paired, dict(device="H100", torch="t", triton="x"))
     assert md.count(">= 1.0 (no dense run)") == 2 and "missed | 7.5 | - | paths" not in md
     assert "| 0.83 | >= 1.0 missed |" in md and "| 1.03 | >= 1.0 met |" in md
+
+
+def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path):
+    """bench_attention.py's kernel table gives each row's GPU kernel time beside its wall time and marks a row whose
+    wall time is above HOST_BOUND times its kernels' (an eager op bound by its launches), and only that row."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(common.REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_attention", common.REPO / "benchmarks" / "bench_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = dict(nsa_fwd_ms=0.8, sdpa_fwd_ms=0.3, sdpa_fwdbwd_ms=1.0, speedup_fwd=0.4, speedup_fwdbwd=0.5)
+    payload = dict(device="H100 x", torch="t", triton="r", date="d", bench=[
+        dict(row, config="m7c", T=8192, nsa_fwdbwd_ms=2.1, nsa_fwdbwd_kernel_ms=1.3),
+        dict(row, config="m7c", T=32768, nsa_fwdbwd_ms=6.0, nsa_fwdbwd_kernel_ms=5.9),
+        dict(row, config="1b", T=8192, nsa_fwdbwd_ms=2.5)])  # an older run's JSON: no kernel time
+    mod.write(str(tmp_path), payload)
+    lines = (tmp_path / "attention_H100_x.md").read_text().splitlines()
+    rows = {tuple(x.split(" | ")[:2]): x for x in lines if x.startswith("| m7c") or x.startswith("| 1b")}
+    assert "| 1.30 (host-bound) |" in rows[("| m7c", "8192")]
+    assert "| 5.90 |" in rows[("| m7c", "32768")] and "host-bound" not in rows[("| m7c", "32768")]
+    assert "host-bound" not in rows[("| 1b", "8192")] and "| 2.50 | - |" in rows[("| 1b", "8192")]
