@@ -34,7 +34,7 @@ def measure(cases: list[tuple[str, int, int]], tree: str) -> list[dict]:
     # These benchmark modules put this checkout first on sys.path when imported: import them only after the
     # tree's package is loaded (sys.modules then keeps the tree's).
     from attention_checks import make_inputs
-    from bench_attention import bench_one
+    from attention_timing import bench_one
     from profile_block import ATTN_CONFIGS, PAPER_P
 
     torch.manual_seed(0)

@@ -33,6 +33,7 @@ from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_checks import DEV, check, make_inputs, rel  # noqa: E402  (the --check half)
+from attention_timing import HOST_BOUND, bench_fla, bench_one, kernel_ms, load_fla  # noqa: E402
 
 PAPER = dict(HQ=64, HKV=4, DK=128, DV=128, p=NSAParams(32, 16, 64, 16, 512))
 M7C = dict(HQ=12, HKV=2, DK=64, DV=64, p=NSAParams(32, 16, 64, 16, 512))
@@ -46,40 +47,6 @@ CONFIGS = {  # the attention shapes of the paper, our 1b and m7c flavors, and a 
 
 
 
-def bench_one(fn, grad_inputs, dout, bwd):
-    from triton.testing import do_bench
-
-    def run():
-        out = fn()
-        if bwd:
-            out.backward(dout)
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = do_bench(run, warmup=25, rep=100, grad_to_none=grad_inputs if bwd else None, return_mode="median")
-    return ms, peak
-
-
-def kernel_ms(fn, grad_inputs, dout) -> float:
-    """GPU kernel time of one forward+backward (torch.profiler), beside do_bench's wall time: a row whose wall time
-    is well above it measures the host's launches (an eager op at a small size), not the kernels."""
-    from profile_block import profile_kernels
-
-    def run():
-        for x in grad_inputs:
-            x.grad = None
-        fn().backward(dout)
-
-    return profile_kernels(run, iters=3)["kernel_ms"]
-
-
-HOST_BOUND = 1.2  # wall / kernel time above which a row is marked host-bound
-
-
 def flops(T, cfg, fwd_only):
     """Attention FLOPs NSA really does (causal halves counted), fwd; bwd = 2.5x attention + select recompute."""
     p, HQ, DK, DV = cfg["p"], cfg["HQ"], cfg["DK"], cfg["DV"]
@@ -90,55 +57,6 @@ def flops(T, cfg, fwd_only):
     sel = T * tc / 2 * HQ * DK * 2
     f = cmp_ + slc + win + sel
     return f if fwd_only else f + 2.5 * (cmp_ + slc + win)
-
-
-def load_fla():
-    """fla-core's parallel_nsa (pure-Python wheel), or None when it is not importable."""
-    try:
-        from fla.ops.nsa import parallel_nsa
-    except Exception as e:  # not installed, or an incompatible triton/torch: the row says so
-        print("fla-core parallel_nsa not available:", type(e).__name__, str(e)[:200], flush=True)
-        return None
-    return parallel_nsa
-
-
-def fla_unsupported(cfg) -> str | None:
-    """Why fla-core's kernel cannot run this shape (its selected kernel tiles the GQA group: G = 2^k >= 16)."""
-    G = cfg["HQ"] // cfg["HKV"]
-    if G < 16 or G & (G - 1):
-        return f"not supported (needs G = HQ/HKV a power of 2 >= 16, here {G})"
-    if cfg["DK"] != cfg["DV"]:
-        return "not supported (needs Dk == Dv)"
-    return None
-
-
-def bench_fla(fla_nsa, row, cfg, q, k, v, dout):
-    """fla-core's parallel_nsa on the same q and selected-branch K/V: compressed + selected branches only
-    (its window branch needs flash-attn), compression by mean pooling over l' = 64 (its only geometry)."""
-    if fla_nsa is None:
-        row["fla_parallel_nsa"] = "not installed"
-        return
-    why = fla_unsupported(cfg)
-    if why:
-        row["fla_parallel_nsa"] = why
-        return
-    p, T, HQ = cfg["p"], q.shape[1], cfg["HQ"]
-    g_cmp, g_slc = (torch.rand(1, T, HQ, device=q.device, dtype=q.dtype).requires_grad_(True) for _ in range(2))
-
-    def fla():
-        return fla_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=p.slc_top_n, block_size=p.slc_block,
-                       window_size=0)
-
-    try:
-        for bwd in (False, True):
-            ms, mem = bench_one(fla, [q, k, v, g_cmp, g_slc], dout, bwd)
-            row["fla_fwdbwd_ms" if bwd else "fla_fwd_ms"] = ms
-            row["fla_fwdbwd_GiB" if bwd else "fla_fwd_GiB"] = mem
-        row["fla_parallel_nsa"] = "cmp+slc, no window"
-        if "nsa_fwdbwd_ms" in row:
-            row["nsa_vs_fla_fwdbwd"] = row["fla_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
-    except Exception as e:
-        row["fla_parallel_nsa"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def bench(cfgs, Ts):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_checks import rel, run_header, write_results  # noqa: E402
-from bench_attention import bench_one  # noqa: E402
+from attention_timing import bench_one  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
 from nsa_titan.kernels import band  # noqa: E402
