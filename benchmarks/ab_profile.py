@@ -139,7 +139,7 @@ def main() -> None:
 
 
 def write_results(out: str, tag: str, meta: dict, rounds: dict[str, list[dict]]) -> str:
-    """ab_profile<tag>_<device>.json and .md from the rounds done so far (``rounds_done`` says how many); returns
+    """ab_profile_<tag>_<device>.json and .md from the rounds done so far (``rounds_done`` says how many); returns
     the markdown."""
     done = min(len(rounds["baseline"]), len(rounds["new"]))
     rows = compare(rounds["baseline"][:done], rounds["new"][:done])

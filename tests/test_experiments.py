@@ -511,9 +511,7 @@ def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path
     """bench_attention.py's kernel table gives each row's GPU kernel time beside its wall time and marks a row whose
     wall time is above HOST_BOUND times its kernels' (an eager op bound by its launches), and only that row."""
     import importlib.util
-    import sys
 
-    sys.path.insert(0, str(common.REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_attention", common.REPO / "benchmarks" / "bench_attention.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
