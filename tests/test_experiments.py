@@ -526,3 +526,19 @@ def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path
     assert "| 1.30 (host-bound) |" in rows[("| m7c", "8192")]
     assert "| 5.90 |" in rows[("| m7c", "32768")] and "host-bound" not in rows[("| m7c", "32768")]
     assert "host-bound" not in rows[("| 1b", "8192")] and "| 2.50 | - |" in rows[("| 1b", "8192")]
+
+
+def test_bench_window_table_lists_the_paths_that_ran_with_their_determinism():
+    """bench_window.py's markdown has a column per path that ran (a subset from --paths leaves the others out), and
+    says per path whether its two backward runs were bitwise equal."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_window", common.REPO / "benchmarks" / "bench_window.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = dict(config="m7c", T=8192, B=2, band_ms=0.9, band_err=0.0, band_det=True, torch_flash_ms=0.7,
+               torch_flash_err=2e-3, torch_flash_det=False, fastest="torch_flash")
+    md = mod.to_markdown(dict(device="H100", torch="t", triton="r", date="d", window=512, rows=[row]))
+    header = next(x for x in md.splitlines() if x.startswith("| config"))
+    assert "band ms | torch_flash ms |" in header and "flex" not in header and "band det | torch_flash det" in header
+    assert "| 0.900 | 0.700 | 0.0e+00 | 2.0e-03 | yes | no | torch_flash |" in md
