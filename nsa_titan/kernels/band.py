@@ -415,6 +415,8 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
             q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, ROWS=rows, BK=bk, **dims, **kw)
+    if dkv_acc is None and nsplit == 1:  # the window branch: a cast, no reduction over one split
+        return dq, dkp[0].to(k.dtype), dvp[0].to(v.dtype)
     if dkv_acc is None:
         return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
     dk, dv = dkv_acc
