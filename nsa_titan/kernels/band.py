@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels import band_gluon
 from nsa_titan.kernels.combine import add_splits, pow2, rowdot
 from nsa_titan.kernels.tuned import TUNED
 
@@ -341,8 +340,6 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     smallest MMA tile)."""
     c = dict(launch_cfg(kernel, pow2(G), dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
     kw = dict(num_warps=c["num_warps"], num_stages=c["num_stages"], SPLIT=bool(c.get("split", True)))
-    if kernel == "band_dkdv":  # the Gluon dK/dV kernel (band_gluon.py, off unless a cfg asks) where it applies
-        kw["gluon"] = bool(c.get("gluon", False))
     return max(pow2(c["rows"]), 16), c["BK"], kw
 
 
@@ -411,14 +408,10 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
                                                        DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
                                                        ACC=dq_acc is not None, **kw)
     rows, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
-    wg = kw.pop("gluon") and band_gluon.supported(q, k, v, doc_start, rows, bk, kw["num_warps"])
     nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
-    if S > 0 and wg:
-        band_gluon.launch(q, k, v, do, lse, delta, dkp, dvp, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5, nsplit,
-                          G, kstride, koff, window, rows, bk)
-    elif S > 0:
+    if S > 0:
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
             q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, ROWS=rows, BK=bk, **dims, **kw)

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels import selected_gluon
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts, token_group, token_slot_kv
@@ -251,17 +250,11 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
         dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
-    if lc.get("gluon", False) and selected_gluon.supported(q, k, v, doc_start, slc_block, bs, gs, G, rows,
-                                                          lc["num_warps"], algo):  # off unless a cfg asks
-        selected_gluon.launch((prog.shape[1], B * HKV), q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv,
-                              pk, pv, dqp, T, nb, G, HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5,
-                              slc_block, n, bt, rows, lc.get("gluon_warps", 8), lc.get("maxnreg"))
-    else:
-        _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
-            q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c,
-            STORE_DS=algo == "ds", STORE_DQ=algo == "partials", DOC=doc_start is not None,
-            num_warps=lc["num_warps"], num_stages=lc["num_stages"], **_maxnreg(lc))
+    _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
+        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
+        HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
+        num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
                                               DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
@@ -272,11 +265,6 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     elif algo == "partials":
         sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
     return dq, dk, dv
-
-
-def _maxnreg(lc: dict) -> dict:
-    """A register cap per thread (ptxas spills past it) when the launch shape asks for one: more programs per SM."""
-    return {"maxnreg": lc["maxnreg"]} if lc.get("maxnreg") else {}
 
 
 def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:
