@@ -87,7 +87,8 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
         rows = max(cfg["rows"], band.pow2(G))
         gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
         consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,
-                      STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False)
+                      STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False,
+                      MASK_SPLIT=bool(cfg.get("mask_split", False)))
     else:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], POINTERS

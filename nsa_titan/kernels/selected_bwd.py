@@ -96,12 +96,57 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 
 
 @triton.jit
+def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk, s_pos, sj, dk,
+               dv, sqb, sqt, sqh, T, HKV, qk_scale, G: tl.constexpr, LP: tl.constexpr, NSEL: tl.constexpr,
+               BT: tl.constexpr, GS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, STORE_DS: tl.constexpr,
+               STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+    """One step of _sel_bwd_dkdv's walk: BT pairs from e0 (those < hi) as rows; MASK False when every row's token
+    lies past the block (it sees all of its keys)."""
+    g = r % GS
+    h = kv * G + g
+    e = e0 + r // GS
+    row_ok = (e < hi) & (r < BT * GS) & (g < G)
+    key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
+    t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
+    t = tl.where(row_ok, t, 0)
+    q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    row = (b * T + t) * (HKV * G) + h
+    do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
+    if MASK:
+        # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T
+        # and the block); invalid rows have lse = +inf, so their p is 0 without a mask of their own.
+        vis = sj[None, :] <= tl.minimum(t - blk * LP, LP - 1)[:, None]
+        if DOC:
+            vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
+        p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None], float("-inf")))  # masked before exp2: no overflow
+    else:
+        p = tl.exp2(s * qk_scale - lse[:, None])
+    acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    acc_k += tl.dot(tl.trans(ds), q)
+    slot = key - (key // NSEL) * NSEL  # only the stores below read it
+    if STORE_DS:
+        d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
+        tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
+    if STORE_DQ:
+        q_row = slot_row(b, t, kv, slot, g, T, HKV, G, NSEL)
+        tl.store(DQP + q_row[:, None] * DK + dk[None, :], tl.dot(ds, k).to(DQP.dtype.element_ty),
+                 mask=row_ok[:, None] & (dk[None, :] < DK))
+    return acc_k, acc_v
+
+
+@triton.jit
 def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -110,7 +155,8 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     selected_blocks._sel_dq_sum adds up per token: the K block is already in registers here, so dQ needs no
     second pass reading K through L2 (the dS path's dQ kernel).
     Each step takes BT pairs as ROWS >= BT * GS rows (row r: pair r // GS, head r % GS, rows with head >= G
-    unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg)."""
+    unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg).
+    MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -127,43 +173,25 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     kmask = (sj < LP) & (s_pos < T)
     k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     r = tl.arange(0, ROWS)
-    g = r % GS
-    h = kv * G + g
-    r_ok = (r < BT * GS) & (g < G)
     acc_k = tl.zeros([BS, DKP], tl.float32)
     acc_v = tl.zeros([BS, DVP], tl.float32)
     key_base = KEYS + pid_bh.to(tl.int64) * (T * NSEL)
-    for e0 in range(lo, hi, BT):
-        e = e0 + r // GS
-        row_ok = (e < hi) & r_ok
-        key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
-        t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
-        t = tl.where(row_ok, t, 0)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
-                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        row = (b * T + t) * (HKV * G) + h
-        do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into exp2's argument (one FMA per score)
-        # One compare per score: a row's last visible key of the block (t < T, so this also keeps keys inside T
-        # and the block); invalid rows have lse = +inf, so their p is 0 without a mask of their own.
-        vis = sj[None, :] <= tl.minimum(t - blk * LP, LP - 1)[:, None]
-        if DOC:
-            vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
-        p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None], float("-inf")))  # masked before exp2: no overflow
-        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        acc_k += tl.dot(tl.trans(ds), q)
-        slot = key - (key // NSEL) * NSEL  # only the stores below read it
-        if STORE_DS:
-            d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
-            tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
-        if STORE_DQ:
-            q_row = slot_row(b, t, kv, slot, g, T, HKV, G, NSEL)
-            tl.store(DQP + q_row[:, None] * DK + dk[None, :], tl.dot(ds, k).to(DQP.dtype.element_ty),
-                     mask=row_ok[:, None] & (dk[None, :] < DK))
+    # Only a pair whose token lies inside the block (t <= blk*l' + l' - 2) sees part of it. Those tokens come first
+    # in the block's list (sorted by token), at most l' - 1 of them, so steps from `mid` on skip the mask.
+    mid = hi
+    if MASK_SPLIT and LP == BS and not DOC:
+        j = lo + tl.arange(0, BS)
+        first_whole = (blk.to(tl.int64) * T + blk * LP + LP - 1) * NSEL  # the key of token blk*l' + l' - 1, slot 0
+        own = (tl.load(key_base + j, mask=j < hi, other=0).to(tl.int64) < first_whole) & (j < hi)
+        mid = tl.minimum(lo + tl.cdiv(tl.sum(own.to(tl.int32), 0), BT) * BT, hi)
+    for e0 in range(lo, mid, BT):
+        acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
+                                  s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
+                                  STORE_DS, STORE_DQ, DOC, True)
+    for e0 in range(mid, hi, BT):
+        acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
+                                  s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
+                                  STORE_DS, STORE_DQ, DOC, False)
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     alive = (sj * 0 + live) > 0
@@ -253,8 +281,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
         HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
-        STORE_DQ=algo == "partials", DOC=doc_start is not None, num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
+        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
                                               DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)

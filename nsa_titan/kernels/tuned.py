@@ -52,6 +52,9 @@ TUNED: dict[tuple, dict] = {
     ("select", 8, 64, False): dict(rows=256, num_warps=8),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
-    # 1.931 ms (sweep_selected_prefetch_*).
-    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3),
+    # 1.931 ms (sweep_selected_prefetch_*). mask_split (the walk's steps past a block's own tokens without the causal
+    # mask), profiled against the parent (ab_profile_masksplit_*): the walk 1.001 -> 0.920 ms at 1b 8k batch 2, 2.090
+    # -> 1.984 at 32k. Not for m7c (0.549 -> 0.588, ab_profile_maskfree_walk_8k) nor qwen7b (1.111 -> 1.089 at 8k but
+    # 2.784 -> 2.882 at 32k).
+    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
 }
