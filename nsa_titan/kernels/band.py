@@ -385,12 +385,14 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
              cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, n_queries: int | None = None,
-             dkv_acc: tuple | None = None):
+             dkv_acc: tuple | None = None, parts: str = "all", dkv_out: tuple | None = None):
     """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
     ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
     ``doc_start`` as in band_fwd; ``n_queries`` as in band_fwd (dQ rows past it are not written);
     ``dkv_acc``: (dk, dv) of at least S rows: add this call's dK/dV to their first S rows (in fp32, one rounding)
-    and return them."""
+    and return them. ``parts``: "all", "dq" (dk, dv returned as None) or "dkdv" (dq None), so that the two halves
+    can run on different streams; ``dkv_out``: (dk, dv) shaped like k, v to write into instead of new tensors
+    (allocated by a caller on its own stream)."""
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
@@ -402,11 +404,15 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
                 DVP=pow2(max(DV, 16)), DOC=doc_start is not None)
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    rows, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-    _band_bwd_dq[(triton.cdiv(tq * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV,
-                                                       DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
-                                                       ACC=dq_acc is not None, **kw)
+    dq = None
+    if parts != "dkdv":
+        dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
+        rows, bk, kw = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
+        _band_bwd_dq[(triton.cdiv(tq * G, rows), B * HKV)](q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV,
+                                                           DK**-0.5 * LOG2E, DK**-0.5, ROWS=rows, BK=bk, **dims,
+                                                           ACC=dq_acc is not None, **kw)
+    if parts == "dq":
+        return dq, None, None
     rows, bk, kw = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
     nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
@@ -415,11 +421,15 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         _band_bwd_dkdv[(triton.cdiv(S, bk), B * HKV, nsplit)](
             q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
             nsplit, ROWS=rows, BK=bk, **dims, **kw)
-    if dkv_acc is None and nsplit == 1:  # the window branch: a cast, no reduction over one split
-        return dq, dkp[0].to(k.dtype), dvp[0].to(v.dtype)
-    if dkv_acc is None:
-        return dq, dkp.sum(0).to(k.dtype), dvp.sum(0).to(v.dtype)
-    dk, dv = dkv_acc
-    add_splits(dkp, dk)
-    add_splits(dvp, dv)
-    return dq, dk, dv
+    if dkv_acc is not None:
+        dk, dv = dkv_acc
+        add_splits(dkp, dk)
+        add_splits(dvp, dv)
+        return dq, dk, dv
+    # One split (the window branch): a cast, no reduction over a size-1 dimension.
+    dk, dv = (dkp[0], dvp[0]) if nsplit == 1 else (dkp.sum(0), dvp.sum(0))
+    if dkv_out is None:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dkv_out[0].copy_(dk)
+    dkv_out[1].copy_(dv)
+    return dq, *dkv_out

@@ -6,9 +6,17 @@ backward can then take each branch's softmax term delta = rowsum(dO_i * O_i) fro
 reads dO and O_i anyway) and let the three branches add their dQ into one tensor in-kernel, which saves three
 rowdot passes and two dQ sums (about 15 passes over a [B, T, HQ, D] tensor per layer). The per-branch kernel
 launchers (band.py, select.py, selected.py, combine.py) stay callable on their own for benchmarks.
+
+On a GPU the branches that do not wait for the selection run on a side stream: the window forward, and the window's
+and the compressed branch's dK/dV in the backward. The selected branch is a chain of small kernels (selection, sort,
+tables, merge, reduce) that leaves SMs idle; the band kernels fill them. H100, whole m7c model with CUDA graphs:
+1.012x at 8k batch 2, 1.006x at 2k batch 8 (benchmarks/results/streams_ab_m7c_H100.md). Same kernels, same order of
+the dQ additions: results are bitwise those of one stream.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -40,9 +48,50 @@ def _prefix(q, k_slc, v_slc, n, slc_block, causal_prefix):
     return selected.causal_prefix(q, v_slc, q.shape[2] // k_slc.shape[2], n, slc_block, causal_prefix)
 
 
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """One side stream per GPU, made on first use: the window branch runs on it beside the selected branch's chain
+    of small kernels (selection, sort, tables, merge), which leave most of the GPU idle between them."""
+    return torch.cuda.Stream(device=device_index)
+
+
+class _Side:
+    """``with _Side(x) as side:`` runs the block's launches on the side stream when ``side`` is not None (CUDA), after
+    the main stream's work so far; ``join()`` makes the main stream wait for them. Tensors that cross the streams
+    are allocated on the main stream before the fork and live until after the join, so the caching allocator never
+    hands their memory to the other stream early."""
+
+    def __init__(self, x: Tensor):
+        self.side = _side_stream(x.device.index or 0) if x.is_cuda else None
+        self.main = torch.cuda.current_stream(x.device) if x.is_cuda else None
+
+    def __enter__(self):
+        if self.side is None:
+            return None
+        self.side.wait_stream(self.main)
+        self._ctx = torch.cuda.stream(self.side)
+        self._ctx.__enter__()
+        return self.side
+
+    def __exit__(self, *exc):
+        if self.side is not None:
+            self._ctx.__exit__(*exc)
+        return False
+
+    def join(self):
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
 def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n,
                   window, doc_start, causal_prefix):
     b, t, hq, _ = q.shape
+    # The window branch depends on nothing else: launched first, on the side stream where there is one.
+    o_win, lse_win = q.new_empty(b, t, hq, v_win.shape[-1]), torch.empty(b, t, hq, device=q.device,
+                                                                          dtype=torch.float32)
+    fork = _Side(q)
+    with fork:
+        band.band_fwd(q, k_win, v_win, 1, 0, window, doc_start=doc_start, out=(o_win, lse_win))
     if k_cmp.shape[1] == 0:  # static shape: shorter than one compression block, nothing is visible
         o_cmp = q.new_zeros(b, t, hq, v_cmp.shape[-1])
         lse_cmp = torch.full((b, t, hq), float("inf"), device=q.device, dtype=torch.float32)
@@ -61,7 +110,7 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
         if prefix:  # the prefix's rows, over its own keys (a token t < prefix sees keys <= t only)
             band.band_fwd(q, k_slc[:, :prefix], v_slc[:, :prefix], 1, 0, 0, doc_start=doc_start,
                           n_queries=prefix, out=(o_slc, lse_slc))
-    o_win, lse_win = band.band_fwd(q, k_win, v_win, 1, 0, window, doc_start=doc_start)
+    fork.join()
     out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
     if keys is None:  # token-centric forward or no sparse tokens: the backward sorts the pairs itself
         keys = block_idx.new_empty(0, dtype=torch.int32)
@@ -115,6 +164,19 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     dgates, delta, (lse_cmp, lse_slc, lse_win) = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates,
                                                                       (lse_cmp, lse_slc, lse_win))
     t = q.shape[1]
+    # The window's and the compressed branch's dK/dV depend only on what combine_bwd made: on the side stream,
+    # beside the selected branch's backward; their dQ adds into the selected branch's dQ, so it stays in order.
+    dk_win, dv_win, dk_cmp, dv_cmp = map(torch.empty_like, (k_win, v_win, k_cmp, v_cmp))
+    fork = _Side(q)
+    with fork:
+        band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], doc_start=doc_start,
+                      parts="dkdv", dkv_out=(dk_win, dv_win))
+        if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
+            dk_cmp.zero_()
+            dv_cmp.zero_()
+        else:
+            band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
+                          doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp))
     prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     if prefix == t:
         dq, dk_slc, dv_slc = band.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
@@ -128,13 +190,12 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
             band.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
-    _, dk_win, dv_win = band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2],
-                                      dq_acc=dq, doc_start=doc_start)
-    if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
-        dk_cmp, dv_cmp = torch.zeros_like(k_cmp), torch.zeros_like(v_cmp)
-    else:
-        _, dk_cmp, dv_cmp = band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0,
-                                          delta=delta[0], dq_acc=dq, doc_start=doc_start)
+    band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
+                  doc_start=doc_start, parts="dq")
+    if k_cmp.shape[1]:
+        band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
+                      dq_acc=dq, doc_start=doc_start, parts="dq")
+    fork.join()
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
