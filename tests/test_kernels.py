@@ -87,6 +87,18 @@ def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
         assert torch.equal(off, torch.searchsorted(want, torch.arange(nb + 1).view(1, -1) * (T * n)))
 
 
+def test_band_bwd_refuses_an_unknown_part_before_launching():
+    """band_bwd's ``parts`` (the halves the NSA op runs on two streams) accepts 'all', 'dq' and 'dkdv' only; a typo
+    would otherwise silently run both halves."""
+    import torch
+
+    from nsa_titan.kernels import band
+
+    x = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="'all', 'dq' or 'dkdv'"):
+        band.band_bwd(x, x, x[:, :, :1], x[:, :, :1], x, x[..., 0], 1, 0, 2, parts="dk")
+
+
 def test_causal_prefix_is_every_token_up_to_n_blocks_and_refuses_more():
     """The selected branch runs as causal attention for the tokens that select all their candidate blocks
     (t < n * l'): every token of a sequence that short; a request past n * l' would be wrong and is refused; on the

@@ -393,6 +393,8 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     and return them. ``parts``: "all", "dq" (dk, dv returned as None) or "dkdv" (dq None), so that the two halves
     can run on different streams; ``dkv_out``: (dk, dv) shaped like k, v to write into instead of new tensors
     (allocated by a caller on its own stream)."""
+    if parts not in ("all", "dq", "dkdv"):
+        raise ValueError(f"band_bwd: parts={parts!r}; use 'all', 'dq' or 'dkdv'")
     B, T, HQ, DK = q.shape
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
