@@ -7,11 +7,11 @@ reads dO and O_i anyway) and let the three branches add their dQ into one tensor
 rowdot passes and two dQ sums (about 15 passes over a [B, T, HQ, D] tensor per layer). The per-branch kernel
 launchers (band.py, select.py, selected.py, combine.py) stay callable on their own for benchmarks.
 
-On a GPU the branches that do not wait for the selection run on a side stream: the window forward, and the window's
-and the compressed branch's dK/dV in the backward. The selected branch is a chain of small kernels (selection, sort,
-tables, merge, reduce) that leaves SMs idle; the band kernels fill them. H100, whole m7c model with CUDA graphs:
-1.012x at 8k batch 2, 1.006x at 2k batch 8 (benchmarks/results/streams_ab_m7c_H100.md). Same kernels, same order of
-the dQ additions: results are bitwise those of one stream.
+Inside a CUDA graph the branches that do not wait for the selection run on a side stream: the window forward, and
+the window's and the compressed branch's dK/dV in the backward. The selected branch is a chain of small kernels
+(selection, sort, tables, merge, reduce) that leaves SMs idle; the band kernels fill them. H100, whole m7c model with
+CUDA graphs: 1.012x at 8k batch 2, 1.006x at 2k batch 8 (benchmarks/results/streams_ab_m7c_H100.md). Same kernels,
+same order of the dQ additions: results are bitwise those of one stream. Eager calls keep one stream (see _Side).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _prefix(q, k_slc, v_slc, n, slc_block, causal_prefix):
 
 @functools.cache
 def _side_stream(device_index: int) -> torch.cuda.Stream:
-    """One side stream per GPU, made on first use: the window branch runs on it beside the selected branch's chain
-    of small kernels (selection, sort, tables, merge), which leave most of the GPU idle between them."""
+    """One side stream per GPU, made on first use: inside CUDA graphs the band branches run on it beside the selected
+    branch's chain of small kernels (selection, sort, tables, merge), which leave most of the GPU idle between them."""
     return torch.cuda.Stream(device=device_index)
 
 
@@ -62,8 +62,15 @@ class _Side:
     hands their memory to the other stream early."""
 
     def __init__(self, x: Tensor):
-        self.side = _side_stream(x.device.index or 0) if x.is_cuda else None
-        self.main = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        # Only while a CUDA graph is being captured: a replay pays nothing for the fork and the join, while an eager
+        # call pays their host time, and small eager shapes are bound by the host. (A kernel-table run with the
+        # streams on in eager calls had m7c 8k batch 1's eager forward at 1.34 ms of wall time against 0.82 the
+        # session before: another machine, so not a clean A/B, but the gain was only ever measured under graphs.)
+        self.side = self.main = None
+        if x.is_cuda:
+            side = _side_stream(x.device.index or 0)  # made by the first call: graph trees run eagerly before capture
+            if torch.cuda.is_current_stream_capturing():
+                self.side, self.main = side, torch.cuda.current_stream(x.device)
 
     def __enter__(self):
         if self.side is None:
