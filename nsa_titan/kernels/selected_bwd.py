@@ -188,10 +188,11 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
         acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
                                   s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
                                   STORE_DS, STORE_DQ, DOC, True)
-    for e0 in range(mid, hi, BT):
-        acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
-                                  s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
-                                  STORE_DS, STORE_DQ, DOC, False)
+    if MASK_SPLIT and LP == BS and not DOC:  # off: one loop, the kernel as before the split (registers: 248 vs 254)
+        for e0 in range(mid, hi, BT):
+            acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv,
+                                      blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK,
+                                      DV, STORE_DS, STORE_DQ, DOC, False)
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     alive = (sj * 0 + live) > 0
