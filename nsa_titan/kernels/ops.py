@@ -56,8 +56,9 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 
 
 class _Side:
-    """``with _Side(x) as side:`` runs the block's launches on the side stream when ``side`` is not None (CUDA), after
-    the main stream's work so far; ``join()`` makes the main stream wait for them. Tensors that cross the streams
+    """``with _Side(x):`` runs the block's launches on the side stream, after the main stream's work so far, when x is
+    on a GPU and a CUDA graph is being captured (else on the current stream); ``join()`` makes the main stream wait
+    for them. Tensors that cross the streams
     are allocated on the main stream before the fork and live until after the join, so the caching allocator never
     hands their memory to the other stream early."""
 
