@@ -58,7 +58,8 @@ class TrainProfiler:
     def start(self) -> None:
         cfg = self.cfg
         if self._record_history:
-            torch.cuda.memory._record_memory_history(max_entries=cfg.memory_snapshot_max_entries)
+            torch.cuda.memory._record_memory_history(max_entries=cfg.memory_snapshot_max_entries,
+                                                     stacks=cfg.memory_snapshot_stacks)
         if not cfg.enable_profiling:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -253,6 +253,10 @@ class Profiling:
     """Folder for the snapshots (rank<r>_<step|oom>.pickle), relative to job.dump_folder."""
     memory_snapshot_max_entries: int = 100000
     """Allocation events kept in the recorded history."""
+    memory_snapshot_stacks: Literal["python", "all"] = "python"
+    """Stack traces recorded with each allocation: "python" (the Python frames: the model's and inductor's
+    lines, what benchmarks/memory_peak.py groups by) or "all" (also C++ frames, which the snapshot must symbolize
+    when it is written: much slower to write)."""
 
     def validate(self) -> None:
         _check(self.profile_freq >= 1, "profiling.profile_freq", f"must be >= 1, got {self.profile_freq}")
