@@ -93,7 +93,7 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict) -> dict:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], POINTERS
         consts = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=win, ROWS=cfg["rows"], BK=cfg["BK"], DK=D, DV=D, DKP=D,
-                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True)
+                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True, TMA=False)
     res = compile_kernel(fn, consts, pointers, cfg["num_warps"], cfg["num_stages"])
     return dict(kernel=kernel, D=D, G=G, geometry=geo, cfg=cfg, **res)
 

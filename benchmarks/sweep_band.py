@@ -31,11 +31,12 @@ def _v(rows, BK, w, st):
     return dict(rows=rows, BK=BK, num_warps=w, num_stages=st)
 
 
-VARIANTS = {  # first two: the default, and the default without the mask-free interior
-    "band_fwd": [{}, {"split": False}, _v(64, 64, 4, 3), _v(128, 64, 8, 3), _v(128, 64, 8, 2), _v(64, 128, 4, 2),
-                 _v(128, 128, 8, 2), _v(64, 64, 4, 4), _v(128, 64, 4, 3), dict(_v(128, 64, 8, 3), split=False)],
-    "band_dq": [{}, {"split": False}, _v(128, 64, 8, 3), _v(64, 64, 4, 3), _v(128, 64, 8, 2), _v(128, 32, 8, 3),
-                _v(64, 128, 4, 2), _v(128, 128, 8, 2), _v(64, 64, 4, 4)],
+VARIANTS = {  # first: the default; then without the mask-free interior; then (fwd, dQ) with pointer loads of K/V
+    "band_fwd": [{}, {"split": False}, {"tma": False}, _v(128, 64, 4, 2), _v(64, 64, 4, 3), _v(128, 64, 8, 3),
+                 _v(128, 64, 8, 2), _v(64, 128, 4, 2), _v(128, 128, 8, 2), _v(64, 64, 4, 4), _v(128, 64, 4, 3),
+                 dict(_v(128, 64, 8, 3), split=False)],
+    "band_dq": [{}, {"split": False}, {"tma": False}, _v(128, 64, 4, 2), _v(128, 64, 8, 3), _v(64, 64, 4, 3),
+                _v(128, 64, 8, 2), _v(128, 32, 8, 3), _v(64, 128, 4, 2), _v(128, 128, 8, 2), _v(64, 64, 4, 4)],
     "band_dkdv": [{}, {"split": False}, _v(64, 64, 4, 2), _v(32, 128, 4, 2), _v(64, 128, 8, 2), _v(128, 64, 8, 2),
                   _v(64, 64, 8, 2), _v(64, 32, 4, 3), _v(128, 128, 8, 1), _v(64, 64, 4, 3),
                   # no register spills at head dim 128 (kernel_resources.py, notes attempt 19)
@@ -44,13 +45,13 @@ VARIANTS = {  # first two: the default, and the default without the mask-free in
 
 
 def _label(c: dict) -> str:
-    masked = "/masked" if c.get("split", True) is False else ""
-    if set(c) <= {"split"}:
+    masked = ("/masked" if c.get("split", True) is False else "") + ("/pointers" if c.get("tma", True) is False else "")
+    if set(c) <= {"split", "tma"}:
         return "default" + masked
     return f"{c['rows']}/{c['BK']}/{c['num_warps']}/{c['num_stages']}" + masked
 
 
-def case(name: str, T: int, B: int) -> dict:
+def case(name: str, T: int, B: int, kernels=tuple(VARIANTS)) -> dict:
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
@@ -68,6 +69,8 @@ def case(name: str, T: int, B: int) -> dict:
                                                                                   cfg_dkdv=c)[1:],
         }
         for kname, fn in jobs.items():
+            if kname not in kernels:
+                continue
             res, best = time_variants(fn, VARIANTS[kname], fn({}), label=_label)
             out[f"{geo_name}:{kname}"] = res
             print(f"{name} T={T} B={B} {geo_name} {kname}: "
@@ -77,8 +80,13 @@ def case(name: str, T: int, B: int) -> dict:
 
 
 def main():
-    a = sweep_parser("1b,m7c,paper,qwen7b").parse_args()
-    run_sweep("sweep_band", a, lambda name, T: case(name, T, a.batch))
+    ap = sweep_parser("1b,m7c,paper,qwen7b")
+    ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    a = ap.parse_args()
+    kernels = tuple(a.kernels.split(","))
+    if unknown := set(kernels) - set(VARIANTS):
+        ap.error(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    run_sweep("sweep_band", a, lambda name, T: case(name, T, a.batch, kernels))
 
 
 if __name__ == "__main__":

@@ -402,6 +402,57 @@ def _band_split_check(device):
             "worst": worst, "naive": naive}
 
 
+
+def _band_tma_check(device):
+    """The band kernels with tiles loaded through tensor descriptors (band.py TMA: K/V in the forward and dQ, Q/dO in
+    dK/dV with one KV head) against pointer loads: the compressed and the window geometry, with and without
+    documents, batch 2 (tiles past the end of the first batch must read zeros, not the second batch), K/V as strided
+    slices of one wider tensor (as the model's fused K/V projection makes them), a prefix call (n_queries, keys
+    k[:, :p]: a batch stride that is not S rows), and G = 3 with one KV head (16-row tiles hold 5 1/3 tokens). Masked
+    rows and keys are hidden by the mask or by LSE = +inf either way, so both must agree to the bit on the
+    interpreter; both are also held to a float64 band attention. Head dim 24 (not its own power of two) must fall
+    back to pointer loads."""
+    import torch
+
+    from nsa_titan.kernels import band, tma
+
+    worst, naive, took = {}, 0.0, True
+    B, T, D = 2, 100, 16
+    doc = doc_starts([[0, 37, 70], [0, 50, 51]], T).to(device=device, dtype=torch.int32)
+    for name, (HQ, HKV, kstride, koff, win, ds, nq) in {
+            "cmp": (6, 2, 4, 7, 0, None, None), "win": (6, 2, 1, 0, 40, None, None),
+            "win_doc": (6, 2, 1, 0, 40, doc, None), "cmp_doc": (6, 2, 4, 7, 0, doc, None),
+            "prefix": (6, 2, 1, 0, 0, None, 45), "cmp_1kv": (3, 1, 4, 7, 0, None, None),
+            "win_1kv_doc": (3, 1, 1, 0, 40, doc, None)}.items():
+        gen = torch.Generator().manual_seed(5)
+        S = T if kstride == 1 else (T - koff - 1) // kstride + 1
+        q, do = (torch.randn(B, T, HQ, D, generator=gen).to(device) for _ in range(2))
+        kv = torch.randn(B, S, 3 * HKV, D, generator=gen).to(device)  # k, v: strided slices, as from one projection
+        k, v = kv[:, :, HKV:2 * HKV], kv[:, :, 2 * HKV:]
+        if nq is not None:
+            k, v = k[:, :nq], v[:, :nq]
+        specs = [band._kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16)] if HKV == 1 else [])
+        took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
+        outs = []
+        for use in (False, True):
+            cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
+            o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds, n_queries=nq)
+            dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
+                                       doc_start=ds, n_queries=nq)
+            rows = slice(None) if nq is None else slice(0, nq)
+            o, lse, dq = o[:, rows], lse[:, rows], dq[:, rows]
+            fin = torch.isfinite(lse)
+            outs.append([o, torch.where(fin, lse, 0.0), fin.float(), dq, dk, dv])
+            want = _naive_band(q[:, rows].cpu(), k.cpu(), v.cpu(), do[:, rows].cpu(), kstride, koff, win,
+                               None if ds is None else ds[:, rows])
+            naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip((o, dq, dk, dv), want)))
+        worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
+    odd = torch.randn(1, 8, 1, 24, device=device)
+    fallback = all(tma.descriptor(*s) is None for s in band._kv_specs(odd, odd, 16).values())
+    return {"ok": took and fallback and max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"])
+            and naive < TOL["float32"], "worst": worst, "naive": naive, "took_tma": took, "fallback_d24": fallback}
+
+
 def _decode_fused_check(device):
     """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
     logits of a full forward. The model's attention weights are sharpened (tests/test_decode.py) so that a wrong
@@ -443,4 +494,5 @@ def _decode_fused_check(device):
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
-          ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("decode_fused", _decode_fused_check))
+          ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
+          ("decode_fused", _decode_fused_check))

@@ -99,6 +99,37 @@ def test_band_bwd_refuses_an_unknown_part_before_launching():
         band.band_bwd(x, x, x[:, :, :1], x[:, :, :1], x, x[..., 0], 1, 0, 2, parts="dk")
 
 
+
+def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_does_not_compile(monkeypatch):
+    """ptxas crashed on some descriptor-form launch shapes (H100, Triton 3.6): such a shape must still run, with
+    pointer loads, warn once, and not be compiled again in the descriptor form; other shapes keep descriptors."""
+    pytest.importorskip("triton")
+    import torch
+    import triton
+
+    from nsa_titan.kernels import band, tma
+
+    calls = []
+
+    class FakeKernel:  # records each launch's K argument kind and TMA flag; the descriptor form of BK=32 "crashes"
+        class fn:
+            __name__ = "_fake_band"
+
+        def __getitem__(self, grid):
+            def launch(q, k, v, *args, TMA, **const):
+                calls.append((const["BK"], TMA, isinstance(k, torch.Tensor)))
+                if TMA and const["BK"] == 32:
+                    raise triton.runtime.errors.PTXASError("ptxas failed with error code -11")
+            return launch
+
+    monkeypatch.setattr(tma, "TMA_REJECTED", set())
+    k = torch.zeros(1, 64, 1, 16)
+    with pytest.warns(UserWarning, match="pointer loads"):
+        tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 32), True, dict(BK=32))
+    tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 32), True, dict(BK=32))  # memo: no retry
+    tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 16), True, dict(BK=16))
+    assert calls == [(32, True, False), (32, False, True), (32, False, True), (16, True, False)]
+
 def test_causal_prefix_is_every_token_up_to_n_blocks_and_refuses_more():
     """The selected branch runs as causal attention for the tokens that select all their candidate blocks
     (t < n * l'): every token of a sequence that short; a request past n * l' would be wrong and is refused; on the

@@ -1,0 +1,57 @@
+"""Tensor-descriptor (TMA) loads for the Triton kernels: descriptors made on the host, and a launch that falls back
+to pointer loads.
+
+On an H100 the copy engine loads a kernel's tiles from a descriptor (shape, strides, box) without the address
+arithmetic and masks of pointer loads. The band kernels (band.py), bound by instruction issue, gain from it
+(benchmarks/results/tma_probe_band_fwd_H100.json). A kernel takes a ``TMA`` constexpr and, with it, descriptors in
+place of some pointer arguments; the interpreter runs the same code on the CPU (tests/_kernel_checks.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+
+from nsa_titan.kernels.combine import pow2
+
+try:  # host-side tensor descriptors (Triton >= 3.3); without them every load is a pointer load
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+def descriptor(x: torch.Tensor, shape: list, strides: list, box: list):
+    """A tensor descriptor of x's memory seen as ``shape`` / ``strides`` (elements) with ``box`` tiles, or None when
+    the copy engine cannot read it: a head dim that is not its own power of two (the kernels pad those), a base or a
+    stride not 16-byte aligned, no elements."""
+    if TensorDescriptor is None or x.numel() == 0 or x.stride(-1) != 1 or x.data_ptr() % 16:
+        return None
+    if box[-1] != x.shape[-1] or box[-1] != pow2(max(box[-1], 16)):
+        return None
+    if any(st * x.element_size() % 16 for st in strides[:-1]):
+        return None
+    return TensorDescriptor(x, shape, strides, box)
+
+
+# Launch shapes whose descriptor form this Triton could not compile (ptxas 12.9 crashed on some compressed-branch dQ
+# shapes with 2 stages, H100, Triton 3.6): they run with pointer loads. A memo, so that a failing shape is compiled
+# (and warned about) once per process rather than at every call.
+TMA_REJECTED: set = set()
+
+
+def launch_tma(kernel, grid, args: tuple, specs: dict, tma: bool, const: dict):
+    """``kernel[grid](*args, **const, TMA=...)`` with the arguments named in ``specs`` ({index: descriptor's
+    arguments}) replaced by tensor descriptors when ``tma`` is on and every one of them can be made; with pointer
+    loads otherwise, and when the compiler rejects the descriptor form (warned once per launch shape)."""
+    key = (kernel.fn.__name__, *sorted(const.items()))
+    descs = {i: descriptor(*spec) for i, spec in specs.items()} if tma and key not in TMA_REJECTED else {}
+    if descs and all(d is not None for d in descs.values()):
+        try:
+            return kernel[grid](*(descs.get(i, a) for i, a in enumerate(args)), **const, TMA=True)
+        except (triton.TritonError, RuntimeError) as e:  # a compiler failure; a real error recurs below
+            TMA_REJECTED.add(key)
+            warnings.warn(f"{kernel.fn.__name__}: Triton could not compile the tensor-descriptor loads for {const} "
+                          f"({type(e).__name__}); using pointer loads for this launch shape", stacklevel=3)
+    return kernel[grid](*args, **const, TMA=False)
