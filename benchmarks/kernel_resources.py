@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nsa_titan.kernels import band, selected_bwd  # noqa: E402
 
+WARP_SIZE = 32  # threads per warp of the target (sm_90)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
@@ -64,7 +65,7 @@ def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: i
         else:
             sig[n] = "fp32" if n.endswith("scale") else "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+    return triton.compile(src, target=GPUTarget("cuda", 90, WARP_SIZE),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 

@@ -33,6 +33,9 @@ def _v(NPI=2, w=4, st=2):
 
 VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU for head dims <= 128
     "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3),
+                # K/V through tensor descriptors (selected.py TMA): ~100 registers and no spills at head dim 128
+                dict(_v(), tma=True), dict(_v(1), tma=True), dict(_v(2, st=3), tma=True), dict(_v(4), tma=True),
+                dict(_v(2, w=8), tma=True),
                 # block-centric (selected_blocks.py): rows = tokens per chunk * next_pow2(G)
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=1),
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=2),
@@ -42,7 +45,9 @@ VARIANTS = {  # first = the token-centric default of selected._cfg on the GPU fo
     # dQ = dS K from the dS the dK/dV walk stores ('ds', the default when its buffer fits selected.DS_BUDGET),
     # or recomputed per token; each timed as the whole selected backward
     "sel_dq": [dict(_v(), algo="ds"), dict(_v(1, st=3), algo="ds"), dict(_v(2, w=8), algo="ds"),
-               dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute")],
+               dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute"),
+               dict(_v(), algo="recompute", tma=True), dict(_v(1), algo="recompute", tma=True),
+               dict(_v(2, st=3), algo="recompute", tma=True)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),

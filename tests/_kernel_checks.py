@@ -246,6 +246,41 @@ def _select_slot_order_check(device):
     return {"ok": len(bad) == len(CASES) + len(DOC_CASES) - 1 and not any(bad.values()), "bad": bad}
 
 
+def _sel_tma_check(device):
+    """The token-centric selected forward and dQ recompute with K/V through tensor descriptors (selected.py TMA: one
+    block per tile, unused slots read at negative rows) against pointer loads, every case, with two blocks per step
+    (the pointer form then runs 2-block tiles: another summation order, so a float bound, not the bit; one block
+    per step is the same code with one static step). Cases whose head dims are not their own power of two fall back
+    to pointer loads; at least one case must take the descriptor path, and no launch may fall back for any other
+    reason (launch_tma's warning is an error here)."""
+    import warnings
+
+    import torch
+
+    from nsa_titan.kernels import selected, selected_bwd, tma
+
+    worst, took = {}, 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        for case in CASES + DOC_CASES:
+            if (x := _sel_inputs(case, device)) is None:
+                continue
+            lp = x["p"].slc_block
+            took += all(tma.descriptor(*sp) is not None for sp in tma.kv_specs(x["ks"], x["vs"], 16).values())
+            outs = []
+            for use in (False, True):
+                cfg = dict(algo="token", NPI=2, tma=use)
+                o, lse = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], lp, cfg=cfg, doc_start=x["doc"])
+                dq = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
+                                          cfg_dq=dict(algo="recompute", NPI=2, tma=use), doc_start=x["doc"])[0]
+                fin = torch.isfinite(lse)
+                outs.append((o, torch.where(fin, lse, 0.0), fin.float(), dq))
+            worst[case[0]] = max(rel_err(a, b) for a, b in zip(*outs))
+    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES}
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and took > 0
+            and all(w < bound[k] for k, w in worst.items()), "worst": worst, "cases_with_descriptors": took}
+
+
 def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
@@ -412,43 +447,47 @@ def _band_tma_check(device):
     rows and keys are hidden by the mask or by LSE = +inf either way, so both must agree to the bit on the
     interpreter; both are also held to a float64 band attention. Head dim 24 (not its own power of two) must fall
     back to pointer loads."""
+    import warnings
+
     import torch
 
     from nsa_titan.kernels import band, tma
 
-    worst, naive, took = {}, 0.0, True
-    B, T, D = 2, 100, 16
-    doc = doc_starts([[0, 37, 70], [0, 50, 51]], T).to(device=device, dtype=torch.int32)
-    for name, (HQ, HKV, kstride, koff, win, ds, nq) in {
-            "cmp": (6, 2, 4, 7, 0, None, None), "win": (6, 2, 1, 0, 40, None, None),
-            "win_doc": (6, 2, 1, 0, 40, doc, None), "cmp_doc": (6, 2, 4, 7, 0, doc, None),
-            "prefix": (6, 2, 1, 0, 0, None, 45), "cmp_1kv": (3, 1, 4, 7, 0, None, None),
-            "win_1kv_doc": (3, 1, 1, 0, 40, doc, None)}.items():
-        gen = torch.Generator().manual_seed(5)
-        S = T if kstride == 1 else (T - koff - 1) // kstride + 1
-        q, do = (torch.randn(B, T, HQ, D, generator=gen).to(device) for _ in range(2))
-        kv = torch.randn(B, S, 3 * HKV, D, generator=gen).to(device)  # k, v: strided slices, as from one projection
-        k, v = kv[:, :, HKV:2 * HKV], kv[:, :, 2 * HKV:]
-        if nq is not None:
-            k, v = k[:, :nq], v[:, :nq]
-        specs = [band._kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16)] if HKV == 1 else [])
-        took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
-        outs = []
-        for use in (False, True):
-            cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
-            o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds, n_queries=nq)
-            dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
-                                       doc_start=ds, n_queries=nq)
-            rows = slice(None) if nq is None else slice(0, nq)
-            o, lse, dq = o[:, rows], lse[:, rows], dq[:, rows]
-            fin = torch.isfinite(lse)
-            outs.append([o, torch.where(fin, lse, 0.0), fin.float(), dq, dk, dv])
-            want = _naive_band(q[:, rows].cpu(), k.cpu(), v.cpu(), do[:, rows].cpu(), kstride, koff, win,
-                               None if ds is None else ds[:, rows])
-            naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip((o, dq, dk, dv), want)))
-        worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
+    with warnings.catch_warnings():  # launch_tma's fallback warning as an error: descriptors must run
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        worst, naive, took = {}, 0.0, True
+        B, T, D = 2, 100, 16
+        doc = doc_starts([[0, 37, 70], [0, 50, 51]], T).to(device=device, dtype=torch.int32)
+        for name, (HQ, HKV, kstride, koff, win, ds, nq) in {
+                "cmp": (6, 2, 4, 7, 0, None, None), "win": (6, 2, 1, 0, 40, None, None),
+                "win_doc": (6, 2, 1, 0, 40, doc, None), "cmp_doc": (6, 2, 4, 7, 0, doc, None),
+                "prefix": (6, 2, 1, 0, 0, None, 45), "cmp_1kv": (3, 1, 4, 7, 0, None, None),
+                "win_1kv_doc": (3, 1, 1, 0, 40, doc, None)}.items():
+            gen = torch.Generator().manual_seed(5)
+            S = T if kstride == 1 else (T - koff - 1) // kstride + 1
+            q, do = (torch.randn(B, T, HQ, D, generator=gen).to(device) for _ in range(2))
+            kv = torch.randn(B, S, 3 * HKV, D, generator=gen).to(device)  # k, v: strided slices, as from one projection
+            k, v = kv[:, :, HKV:2 * HKV], kv[:, :, 2 * HKV:]
+            if nq is not None:
+                k, v = k[:, :nq], v[:, :nq]
+            specs = [tma.kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16)] if HKV == 1 else [])
+            took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
+            outs = []
+            for use in (False, True):
+                cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
+                o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds, n_queries=nq)
+                dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
+                                           doc_start=ds, n_queries=nq)
+                rows = slice(None) if nq is None else slice(0, nq)
+                o, lse, dq = o[:, rows], lse[:, rows], dq[:, rows]
+                fin = torch.isfinite(lse)
+                outs.append([o, torch.where(fin, lse, 0.0), fin.float(), dq, dk, dv])
+                want = _naive_band(q[:, rows].cpu(), k.cpu(), v.cpu(), do[:, rows].cpu(), kstride, koff, win,
+                                   None if ds is None else ds[:, rows])
+                naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip((o, dq, dk, dv), want)))
+            worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
     odd = torch.randn(1, 8, 1, 24, device=device)
-    fallback = all(tma.descriptor(*s) is None for s in band._kv_specs(odd, odd, 16).values())
+    fallback = all(tma.descriptor(*s) is None for s in tma.kv_specs(odd, odd, 16).values())
     return {"ok": took and fallback and max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"])
             and naive < TOL["float32"], "worst": worst, "naive": naive, "took_tma": took, "fallback_d24": fallback}
 
@@ -492,7 +531,7 @@ def _decode_fused_check(device):
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
-          ("sel_bwd_paths", _sel_bwd_paths_check), ("select_merge", _select_merge_check),
+          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("select_merge", _select_merge_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
           ("decode_fused", _decode_fused_check))

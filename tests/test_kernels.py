@@ -107,7 +107,7 @@ def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_d
     import torch
     import triton
 
-    from nsa_titan.kernels import band, tma
+    from nsa_titan.kernels import tma
 
     calls = []
 
@@ -125,9 +125,9 @@ def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_d
     monkeypatch.setattr(tma, "TMA_REJECTED", set())
     k = torch.zeros(1, 64, 1, 16)
     with pytest.warns(UserWarning, match="pointer loads"):
-        tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 32), True, dict(BK=32))
-    tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 32), True, dict(BK=32))  # memo: no retry
-    tma.launch_tma(FakeKernel(), (1,), (k, k, k), band._kv_specs(k, k, 16), True, dict(BK=16))
+        tma.launch_tma(FakeKernel(), (1,), (k, k, k), tma.kv_specs(k, k, 32), True, dict(BK=32))
+    tma.launch_tma(FakeKernel(), (1,), (k, k, k), tma.kv_specs(k, k, 32), True, dict(BK=32))  # memo: no retry
+    tma.launch_tma(FakeKernel(), (1,), (k, k, k), tma.kv_specs(k, k, 16), True, dict(BK=16))
     assert calls == [(32, True, False), (32, False, True), (32, False, True), (16, True, False)]
 
 def test_causal_prefix_is_every_token_up_to_n_blocks_and_refuses_more():

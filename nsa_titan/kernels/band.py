@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.combine import add_splits, pow2, rowdot
-from nsa_titan.kernels.tma import launch_tma
+from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
 LOG2E = 1.4426950408889634
@@ -373,14 +373,6 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     return max(pow2(c["rows"]), 16), c["BK"], kw, bool(c.get("tma", x.device.type == "cuda"))
 
 
-def _kv_specs(k: torch.Tensor, v: torch.Tensor, bk: int) -> dict:
-    """The forward's and dQ's K and V (arguments 1 and 2) as [B, S, HKV, D] descriptors with [1, BK, 1, D] boxes.
-    H100, band forward at 1b 8k batch 2: 0.230 -> 0.191 ms (window), 0.149 -> 0.128 (compressed); paper 64k window
-    3.69 -> 2.88 (benchmarks/results/tma_probe_band_fwd_H100.json, one masked loop against the tuned pointer
-    kernel)."""
-    return {i: (x, list(x.shape), list(x.stride()), [1, bk, 1, x.shape[-1]]) for i, x in ((1, k), (2, v))}
-
-
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int) -> dict:
     """dK/dV's Q and dO (arguments 0 and 3) as [B, T * HQ, D] descriptors with [1, ROWS, D] boxes: with one KV head
     the packed rows R = t * G + h of a tile are consecutive rows of that view (with more, a tile's rows skip the other
@@ -429,7 +421,7 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
             *v.stride()[:3], *o.stride()[:3], T, tq, S, HKV, DK**-0.5 * LOG2E)
     const = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=window, ROWS=rows, BK=bk, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
                  DVP=pow2(max(DV, 16)), DOC=doc_start is not None, **kw)
-    launch_tma(_band_fwd, (triton.cdiv(tq * G, rows), B * HKV), args, _kv_specs(k, v, bk), tma, const)
+    launch_tma(_band_fwd, (triton.cdiv(tq * G, rows), B * HKV), args, kv_specs(k, v, bk), tma, const)
     return o, lse
 
 
@@ -462,7 +454,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         rows, bk, kw, tma = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
         launch_tma(_band_bwd_dq, (triton.cdiv(tq * G, rows), B * HKV),
                     (q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV, DK**-0.5 * LOG2E, DK**-0.5),
-                    _kv_specs(k, v, bk), tma, dict(ROWS=rows, BK=bk, **dims, ACC=dq_acc is not None, **kw))
+                    kv_specs(k, v, bk), tma, dict(ROWS=rows, BK=bk, **dims, ACC=dq_acc is not None, **kw))
     if parts == "dq":
         return dq, None, None
     rows, bk, kw, tma = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)

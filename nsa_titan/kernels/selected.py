@@ -18,6 +18,7 @@ import triton.language as tl
 from nsa_titan.kernels.band import LOG2E
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
+from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -34,6 +35,34 @@ def token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, sv
     kmask = (c % BS < LP) & (s_pos <= t) & (s_pos >= s_min)
     k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     return kmask, k, v
+
+
+@triton.jit
+def token_block_kv(K, V, idx_base, slot, t, s_min, b, kv, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
+                   DKP: tl.constexpr, DVP: tl.constexpr):
+    """token_slot_kv's step in the descriptor form (TMA: K, V are [B, S, HKV, D] descriptors with [1, BS, 1, D]
+    boxes): one selected block of token t, its keys as BS rows from the block's first. An unused slot (block -1)
+    reads zeros at negative rows; keys past the block (BS > l'), past t or before s_min are masked as above."""
+    blk = tl.load(idx_base + slot, mask=slot < NSEL, other=-1).to(tl.int32)  # int32: a descriptor coordinate
+    r = tl.arange(0, BS)
+    s_pos = blk * LP + r
+    kmask = (r < LP) & (s_pos <= t) & (s_pos >= s_min)
+    k = K.load([b, blk * LP, kv, 0]).reshape(BS, DKP)
+    v = V.load([b, blk * LP, kv, 0]).reshape(BS, DVP)
+    return kmask, k, v
+
+
+@triton.jit
+def _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale):
+    """One tile of keys of the online softmax (hidden keys -inf)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -67,7 +96,7 @@ def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP: tl.constexpr, NSEL: tl
 def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
              T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NPI: tl.constexpr,
              GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-             DOC: tl.constexpr):
+             DOC: tl.constexpr, TMA: tl.constexpr):
     t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
                                                                   GR, DK, DKP, DOC)
     dv = tl.arange(0, DVP)
@@ -76,16 +105,15 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
     acc = tl.zeros([GR, DVP], tl.float32)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, n_used, NPI):
-        kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
-                                    NSEL, DK, DV, DKP, DVP)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        if TMA:  # one block per tile: no [NPI * BS, D] address tensors (they spill at head dim 128, NPI 2)
+            for j in tl.static_range(NPI):
+                kmask, k, v = token_block_kv(K, V, idx_base, n0 + j, t, s_min, b.to(tl.int32), kv, LP, BS, NSEL,
+                                             DKP, DVP)
+                m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale)
+        else:
+            kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP,
+                                        BS, NSEL, DK, DV, DKP, DVP)
+            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale)
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
     tl.store(O + b * sob + t * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
@@ -152,6 +180,10 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
             # 3.23e-3 (fp32) vs 3.30e-3 (bf16). partial_bits=32 keeps them in fp32. Unmeasured for G = 7 at head
             # dim 128.
             c.update(algo="partials", partial_bits=8 * q.element_size())
+    # Descriptor loads (tma.py) in the token-centric forward and dQ recompute: one block per tile instead of NPI, no
+    # address tensors. sm_90 offline (Triton 3.6), 1b shape, NPI 2: the pointer form takes 255 registers and spills
+    # 1280 B (forward) / 6192 B (dQ recompute) of stack, the descriptor form does not. Off until timed on a GPU.
+    c["tma"] = False
     c.update(TUNED.get((kernel, pow2(G), dmax, False), {}))
     c.update(cfg or {})
     return c
@@ -177,10 +209,12 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
         return (o, lse, keys) if with_pairs else (o, lse)
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    _sel_fwd[(T, B * HKV)](q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
-                           *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E,
-                           GR=max(16, pow2(G)), NPI=lc["NPI"], **c, DOC=doc_start is not None,
-                           num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+    launch_tma(_sel_fwd, (T, B * HKV), (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start,
+                                        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G,
+                                        HKV, DK**-0.5 * LOG2E),
+               kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
+                                                        DOC=doc_start is not None, num_warps=lc["num_warps"],
+                                                        num_stages=lc["num_stages"]))
     return (o, lse, None) if with_pairs else (o, lse)
 
 

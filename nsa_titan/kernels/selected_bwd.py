@@ -24,8 +24,9 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected import _cfg, _consts, token_group, token_slot_kv
+from nsa_titan.kernels.selected import _cfg, _consts, token_block_kv, token_group, token_slot_kv
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
+from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
 @triton.jit
@@ -38,11 +39,22 @@ def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.
 
 
 @triton.jit
+def _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale):
+    """One tile of keys of the dQ recompute: dq + dS K with dS = P (dP - delta)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
 def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                 T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
                 NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr):
-    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag)."""
+                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
+    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag); TMA: K, V
+    are descriptors (selected.token_block_kv)."""
     t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
                                                                   GR, DK, DKP, DOC)
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
@@ -53,13 +65,15 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
     dq = tl.zeros([GR, DKP], tl.float32)
     c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
     for n0 in range(0, n_used, NPI):
-        kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP, BS,
-                                    NSEL, DK, DV, DKP, DVP)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        if TMA:
+            for j in tl.static_range(NPI):
+                kmask, k, v = token_block_kv(K, V, idx_base, n0 + j, t, s_min, b.to(tl.int32), kv, LP, BS, NSEL,
+                                             DKP, DVP)
+                dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
+        else:
+            kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP,
+                                        BS, NSEL, DK, DV, DKP, DVP)
+            dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
     _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
 
 
@@ -252,10 +266,11 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     algo = lq.get("algo", "recompute")
     if algo == "recompute":
-        _sel_bwd_dq[(T, B * HKV)](q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
-                                  DK**-0.5 * LOG2E, DK**-0.5, GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
-                                  ACC=dq_acc is not None, DOC=doc_start is not None, num_warps=lq["num_warps"],
-                                  num_stages=lq["num_stages"])
+        launch_tma(_sel_bwd_dq, (T, B * HKV), (q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
+                                               DK**-0.5 * LOG2E, DK**-0.5),
+                   kv_specs(k, v, c["BS"]), lq["tma"], dict(GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
+                                                            ACC=dq_acc is not None, DOC=doc_start is not None,
+                                                            num_warps=lq["num_warps"], num_stages=lq["num_stages"]))
     # dK/dV block-centric: the (block, token, slot) triples sorted by block, every block's list cut into chunks
     # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
     # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).

@@ -35,6 +35,12 @@ def descriptor(x: torch.Tensor, shape: list, strides: list, box: list):
     return TensorDescriptor(x, shape, strides, box)
 
 
+def kv_specs(k: torch.Tensor, v: torch.Tensor, rows: int) -> dict:
+    """K and V as kernel arguments 1 and 2, each a [B, S, HKV, D] descriptor with [1, rows, 1, D] boxes: a tile of
+    ``rows`` consecutive keys of one (batch, KV head). Rows past S (and before 0) read zeros."""
+    return {i: (x, list(x.shape), list(x.stride()), [1, rows, 1, x.shape[-1]]) for i, x in ((1, k), (2, v))}
+
+
 # Launch shapes whose descriptor form this Triton could not compile (ptxas 12.9 crashed on some compressed-branch dQ
 # shapes with 2 stages, H100, Triton 3.6): they run with pointer loads. A memo, so that a failing shape is compiled
 # (and warned about) once per process rather than at every call.
