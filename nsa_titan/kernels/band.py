@@ -160,6 +160,13 @@ def _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, m_i, l_i, acc, qk_scal
     """One key tile of the online softmax."""
     k, v, s = _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, qk_scale, KSTRIDE, KOFF, WIN, BK, DK, DV, DKP,
                       DVP, DOC, MASK, TMA)
+    return online_softmax(s, v, m_i, l_i, acc)
+
+
+@triton.jit
+def online_softmax(s, v, m_i, l_i, acc):
+    """Fold one tile into the running softmax: scores s in log2 units (-inf where hidden) and their values v;
+    (m_i, l_i, acc) = running max, sum of exponentials, unnormalised output. Also the selected forward's step."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

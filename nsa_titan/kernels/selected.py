@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E
+from nsa_titan.kernels.band import LOG2E, online_softmax
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
@@ -56,13 +56,7 @@ def token_block_kv(K, V, idx_base, slot, t, s_min, b, kv, LP: tl.constexpr, BS: 
 def _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale):
     """One tile of keys of the online softmax (hidden keys -inf)."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(kmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return online_softmax(tl.where(kmask[None, :], s, float("-inf")), v, m_i, l_i, acc)
 
 
 @triton.jit
