@@ -470,8 +470,9 @@ def _band_tma_check(device):
             k, v = kv[:, :, HKV:2 * HKV], kv[:, :, 2 * HKV:]
             if nq is not None:
                 k, v = k[:, :nq], v[:, :nq]
-            specs = [tma.kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16)] if HKV == 1 else [])
+            specs = [tma.kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16, HKV)] if HKV == 1 else [])
             took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
+            took = took and (HKV == 1 or band._rows_specs(q, do, 16, HKV) == {})  # dK/dV rows: one KV head only
             outs = []
             for use in (False, True):
                 cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)

@@ -380,16 +380,14 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     return max(pow2(c["rows"]), 16), c["BK"], kw, bool(c.get("tma", x.device.type == "cuda"))
 
 
-def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int) -> dict:
+def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
     """dK/dV's Q and dO (arguments 0 and 3) as [B, T * HQ, D] descriptors with [1, ROWS, D] boxes: with one KV head
     the packed rows R = t * G + h of a tile are consecutive rows of that view (with more, a tile's rows skip the other
     groups' heads, and the loads stay pointer loads). Empty when not one KV head or not that view."""
-    if q.shape[2] != do.shape[2] or any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, do)):
+    if hkv != 1 or any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, do)):
         return {}
     return {i: (x, [x.shape[0], x.shape[1] * x.shape[2], x.shape[3]], [x.stride(0), x.stride(2), 1],
                 [1, rows, x.shape[3]]) for i, x in ((0, q), (3, do))}
-
-
 
 
 @functools.cache
@@ -471,7 +469,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     if S > 0:
         launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-                     nsplit), _rows_specs(q, do, rows) if HKV == 1 else {}, tma, dict(ROWS=rows, BK=bk, **dims, **kw))
+                     nsplit), _rows_specs(q, do, rows, HKV), tma, dict(ROWS=rows, BK=bk, **dims, **kw))
     if dkv_acc is not None:
         dk, dv = dkv_acc
         add_splits(dkp, dk)
