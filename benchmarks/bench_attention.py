@@ -267,7 +267,8 @@ def write(out_dir, payload):
              f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; B=1, bf16, "
              "median of triton.testing.do_bench; memory = peak allocated above the inputs (GiB). The targets "
              "were set for an H100; SDPA ratios are from the same run on the device named above. "
-             "See benchmarks/NOTES_kernels.md for the analysis.", ""]
+             "See benchmarks/NOTES_kernels.md for the analysis."
+             + (f" {payload['note']}" if payload.get("note") else ""), ""]  # note: e.g. runs merged into one table
     if payload.get("bench"):
         lines += ["| config | T | NSA fwd ms | NSA fwd+bwd ms | NSA kernels f+b ms | SDPA fwd ms | SDPA fwd+bwd ms | "
                   "fwd x | fwd+bwd x | NSA TFLOP/s (f+b) | NSA GiB (f+b) | SDPA GiB (f+b) | fla fwd+bwd ms | "

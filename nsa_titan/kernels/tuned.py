@@ -23,7 +23,9 @@ TUNED: dict[tuple, dict] = {
     # profiled, ab_profile_bandwin_1b_*_H100.md: both band dK/dV 0.787 -> 0.700 ms at 8k batch 2, 2.816 -> 2.630
     # at 32k batch 1). Not for qwen7b (the G 8 key): 64 rows there were slower (ab_profile_bandwin_qwen7b_*: 0.715
     # -> 0.789 ms at 8k, 5.01 -> 5.26 at 32k).
-    ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
+    # Compressed dK/dV for G 16 with 3 stages since the fifteenth session (loads through descriptors since attempt
+    # 61; sweep_band_dkdv_s15_*): 1b batch 2, 8k 0.544 -> 0.527 ms, 32k 5.34 -> 5.19.
+    ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3, split=False),
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
     ("band_dkdv", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
@@ -57,4 +59,14 @@ TUNED: dict[tuple, dict] = {
     # -> 1.984 at 32k. Not for m7c (0.549 -> 0.588, ab_profile_maskfree_walk_8k) nor qwen7b (1.111 -> 1.089 at 8k but
     # 2.784 -> 2.882 at 32k).
     ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
+    # Token-centric forward and dQ recompute with K/V through tensor descriptors (selected.py, attempt 62), H100
+    # batch 2 (sweep_selected_tma_s15_*), forward 8k / 32k: 1b 1.025 -> 0.967 / 4.335 -> 4.162 ms (one block per
+    # step; two: 0.970 / 4.170), paper config 4.05 -> 3.65 / 17.41 -> 16.35. The whole selected backward with dQ
+    # recomputed (the default where dS does not fit DS_BUDGET: the 1b from 64k on): 1b 2.12 -> 1.86 / 8.64 -> 7.73,
+    # paper 8.23 -> 7.17 / 34.96 -> 31.86; dQ from stored dS, the default below that, is unchanged (1.72 / 6.85).
+    # qwen7b (G 7 in 16 rows, the same kernel shape) at 32k batch 1, where dQ recomputes: 13.63 -> 11.76 ms
+    # (sweep_selected_qwen_dq_s15_*); its forward runs block-centric.
+    ("sel_fwd", 16, 128, False): dict(NPI=1, tma=True),
+    ("sel_dq", 16, 128, False): dict(tma=True),
+    ("sel_dq", 8, 128, False): dict(tma=True),
 }
