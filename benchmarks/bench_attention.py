@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_titan.kernels import band, nsa_attention, select, selected, selected_bwd  # noqa: E402
+from nsa_titan.kernels import band, band_bwd, nsa_attention, select, selected, selected_bwd  # noqa: E402
 from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -115,13 +115,13 @@ def breakdown(cfg, T):
     do = torch.randn_like(o_c)
     fns = {
         "cmp_fwd": lambda: band.band_fwd(q, kc, vc, *cmp_geo),
-        "cmp_bwd": lambda: band.band_bwd(do, q, kc, vc, o_c, lse, *cmp_geo),
+        "cmp_bwd": lambda: band_bwd.band_bwd(do, q, kc, vc, o_c, lse, *cmp_geo),
         "select": lambda: select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n),
         "slc_fwd": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block),
         "slc_fwd_1blk_per_step": lambda: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(NPI=1)),
         "slc_bwd": lambda: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block),
         "win_fwd": lambda: band.band_fwd(q, kw, vw, *win_geo),
-        "win_bwd": lambda: band.band_bwd(do, q, kw, vw, o_w, lse_w, *win_geo),
+        "win_bwd": lambda: band_bwd.band_bwd(do, q, kw, vw, o_w, lse_w, *win_geo),
     }
     out = {}
     for k, f in fns.items():
@@ -160,7 +160,7 @@ def sweep(cfg, T):
     default's (bf16 rounding only); install the winners in band.TUNED for the rest of this process."""
     from triton.testing import do_bench
 
-    from nsa_titan.kernels import band, select
+    from nsa_titan.kernels import band, band_bwd, select
 
     HQ, HKV, DK, DV, p = cfg["HQ"], cfg["HKV"], cfg["DK"], cfg["DV"], cfg["p"]
     q, kc, vc, ks, vs, kw, vw, _ = make_inputs(1, T, HQ, HKV, DK, DV, p)
@@ -176,9 +176,9 @@ def sweep(cfg, T):
                                        (win_geo, (kw, vw, o_w, lse_w), True)):
         jobs += [("band_fwd", win, lambda c, g=geo, k_=k_, v_=v_: band.band_fwd(q, k_, v_, *g, cfg=c)),
                  ("band_dq", win, lambda c, g=geo, a=(k_, v_, o_, l_):
-                  band.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dq=c)),
+                  band_bwd.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dq=c)),
                  ("band_dkdv", win, lambda c, g=geo, a=(k_, v_, o_, l_):
-                  band.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dkdv=c))]
+                  band_bwd.band_bwd(do, q, a[0], a[1], a[2], a[3], *g, cfg_dkdv=c))]
     jobs += [("sel_fwd", False, lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)),
              ("sel_dq", False, lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block, cfg_dq=c)),
              ("sel_dkdv", False, lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o_s, lse_s, idx, p.slc_block,

@@ -34,7 +34,7 @@ from attention_checks import rel, run_header, write_results  # noqa: E402
 from attention_timing import bench_one  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
-from nsa_titan.kernels import band  # noqa: E402
+from nsa_titan.kernels import band, band_bwd  # noqa: E402
 from nsa_titan.models.nsa import local_attention  # noqa: E402
 
 
@@ -52,7 +52,7 @@ class _Band(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, 1, 0, ctx.window)
+        dq, dk, dv = band_bwd.band_bwd(do, q, k, v, o, lse, 1, 0, ctx.window)
         return dq, dk, dv, None
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
-from nsa_titan.kernels import band  # noqa: E402
+from nsa_titan.kernels import band, band_bwd  # noqa: E402
 
 
 def _v(rows, BK, w, st):
@@ -63,9 +63,9 @@ def case(name: str, T: int, B: int, kernels=tuple(VARIANTS)) -> dict:
         o, lse = band.band_fwd(q, k, v, *geo)
         jobs = {
             "band_fwd": lambda c, k=k, v=v, geo=geo: band.band_fwd(q, k, v, *geo, cfg=c)[:1],
-            "band_dq": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band.band_bwd(do, q, k, v, o, lse, *geo,
+            "band_dq": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band_bwd.band_bwd(do, q, k, v, o, lse, *geo,
                                                                                 cfg_dq=c)[:1],
-            "band_dkdv": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band.band_bwd(do, q, k, v, o, lse, *geo,
+            "band_dkdv": lambda c, k=k, v=v, geo=geo, o=o, lse=lse: band_bwd.band_bwd(do, q, k, v, o, lse, *geo,
                                                                                   cfg_dkdv=c)[1:],
         }
         for kname, fn in jobs.items():

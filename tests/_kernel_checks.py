@@ -320,7 +320,7 @@ def _dout_backward_check(device):
     not NaN) and 1. The whole-attention cases above run the new way end to end against float64."""
     import torch
 
-    from nsa_titan.kernels import band, combine, selected_bwd
+    from nsa_titan.kernels import band, band_bwd, combine, selected_bwd
 
     worst, gen = {}, torch.Generator().manual_seed(5)
 
@@ -344,8 +344,9 @@ def _dout_backward_check(device):
         gates[0, ::7, 0, :] = 0.0  # underflowed sigmoid
         gates[0, 3::7, 1, :] = 1.0
         o, lse = band.band_fwd(q, k, v, kstride, koff, win, doc_start=ds)
-        worst[name], ok = both(lambda do, o, lse, **kw: band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, **kw),
-                               dout, o, lse, gates, 2, doc_start=ds)
+        worst[name], ok = both(
+            lambda do, o, lse, **kw: band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, **kw),
+            dout, o, lse, gates, 2, doc_start=ds)
         finite &= ok
     for case in [c for c in CASES + DOC_CASES if c[0] in ("g16_l_eq_lp", "doc_g6")]:
         x = _sel_inputs(case, device)
@@ -410,7 +411,7 @@ def _band_split_check(device):
     tolerance only covers a future reordering. Both are also held to a float64 band attention (``naive``)."""
     import torch
 
-    from nsa_titan.kernels import band
+    from nsa_titan.kernels import band, band_bwd
 
     worst, naive = {}, 0.0
     B, T, HQ, HKV, D = 1, 100, 6, 2, 16
@@ -425,7 +426,7 @@ def _band_split_check(device):
         for split in (False, True):
             cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, split=split)
             o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
-            grads = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg, doc_start=ds)
+            grads = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg, doc_start=ds)
             fin = torch.isfinite(lse)
             outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
             naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([o, *grads], want)))
@@ -451,7 +452,7 @@ def _band_tma_check(device):
 
     import torch
 
-    from nsa_titan.kernels import band, tma
+    from nsa_titan.kernels import band, band_bwd, tma
 
     with warnings.catch_warnings():  # launch_tma's fallback warning as an error: descriptors must run
         warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
@@ -470,14 +471,14 @@ def _band_tma_check(device):
             k, v = kv[:, :, HKV:2 * HKV], kv[:, :, 2 * HKV:]
             if nq is not None:
                 k, v = k[:, :nq], v[:, :nq]
-            specs = [tma.kv_specs(k, v, 16)] + ([band._rows_specs(q, do, 16, HKV)] if HKV == 1 else [])
+            specs = [tma.kv_specs(k, v, 16)] + ([band_bwd._rows_specs(q, do, 16, HKV)] if HKV == 1 else [])
             took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
-            took = took and (HKV == 1 or band._rows_specs(q, do, 16, HKV) == {})  # dK/dV rows: one KV head only
+            took = took and (HKV == 1 or band_bwd._rows_specs(q, do, 16, HKV) == {})  # dK/dV rows: one KV head only
             outs = []
             for use in (False, True):
                 cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
                 o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds, n_queries=nq)
-                dq, dk, dv = band.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
+                dq, dk, dv = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
                                            doc_start=ds, n_queries=nq)
                 rows = slice(None) if nq is None else slice(0, nq)
                 o, lse, dq = o[:, rows], lse[:, rows], dq[:, rows]

@@ -92,11 +92,11 @@ def test_band_bwd_refuses_an_unknown_part_before_launching():
     would otherwise silently run both halves."""
     import torch
 
-    from nsa_titan.kernels import band
+    from nsa_titan.kernels import band_bwd
 
     x = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ValueError, match="'all', 'dq' or 'dkdv'"):
-        band.band_bwd(x, x, x[:, :, :1], x[:, :, :1], x, x[..., 0], 1, 0, 2, parts="dk")
+        band_bwd.band_bwd(x, x, x[:, :, :1], x[:, :, :1], x, x[..., 0], 1, 0, 2, parts="dk")
 
 
 

@@ -14,8 +14,8 @@ walk steps through R the same way.
 Scores are kept in log2 units (the softmax scale is folded with log2(e)), so LSE is a base-2 log-sum-exp.
 Rows that see nothing get output 0 and LSE = +inf, which makes every recomputed probability exp2(s - LSE)
 exactly 0 in the backward and in the block selection, without special cases.
-dK/dV are computed per key tile (no atomics: deterministic); long query ranges are split into NSPLIT
-contiguous parts whose fp32 partial sums are added afterwards in a fixed order.
+The backward (dQ, and dK/dV per key tile without atomics) is in band_bwd.py; this file holds the forward and the
+helpers both share.
 
 Mask-free interior tiles (SPLIT, on by default): every loop runs in three parts, masked / unmasked / masked.
 The middle part holds the whole tiles that every row of the program sees (keys at or before its first token
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.combine import add_splits, pow2, rowdot
+from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
@@ -113,23 +113,6 @@ def _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE: tl.constexpr, KOFF: tl.c
 
 
 @triton.jit
-def _unmasked_queries(lo, hi, key_lo, key_last, T, G: tl.constexpr, KSTRIDE: tl.constexpr, KOFF: tl.constexpr,
-                      WIN: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
-    """[m1, m2): the whole ROWS-tiles of a loop over packed rows R from lo (< hi) whose every row sees every key
-    of [key_lo, key_last] (row R is token R // G, so token bounds scale by G)."""
-    m1 = hi
-    m2 = hi
-    if SPLIT:
-        fa = (key_last * KSTRIDE + KOFF) * G  # rows >= fa: tokens that see the tile's last key
-        fb = T * G
-        if WIN > 0:
-            fb = (key_lo * KSTRIDE + KOFF + WIN) * G  # rows < fb: tokens that still see its first key
-        m1 = tl.minimum(lo + tl.cdiv(tl.maximum(fa - lo, 0), ROWS) * ROWS, hi)
-        m2 = m1 + (tl.maximum(tl.minimum(fb, hi) - m1, 0) // ROWS) * ROWS
-    return m1, m2
-
-
-@triton.jit
 def _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, qk_scale, KSTRIDE: tl.constexpr, KOFF: tl.constexpr,
             WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
             DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
@@ -176,51 +159,6 @@ def online_softmax(s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE: tl.constexpr,
-             KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-             DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
-    k, v, s = _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, qk_scale, KSTRIDE, KOFF, WIN, BK, DK, DV, DKP,
-                      DVP, DOC, MASK, TMA)
-    p = tl.exp2(s - lse[:, None])  # hidden: -inf - lse = -inf, also for rows that see nothing (lse = +inf)
-    dp = tl.dot(do, tl.trans(v))
-    dsc = p * (dp - delta[:, None])
-    return dq + tl.dot(dsc.to(k.dtype), k)
-
-
-@triton.jit
-def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-               acc_k, acc_v, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
-               ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-               DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
-    """One query tile (packed rows [r0, r0 + ROWS), those < hi valid) contribution to a key tile's dK/dV. With TMA
-    the rows past hi hold other tokens' Q and dO (or zeros past the end): their LSE of +inf zeroes them below."""
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    t, h, row_ok = _rows(r0, kv, hi, G, ROWS)
-    if TMA:
-        q = Q.load([b.to(tl.int32), r0, 0]).reshape(ROWS, DKP)
-        do = DO.load([b.to(tl.int32), r0, 0]).reshape(ROWS, DVP)
-    else:
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
-                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
-        do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
-    if MASK:
-        s = tl.where(_visible(t, pos, kmask, WIN) & row_ok[:, None], s, float("-inf"))  # before exp2
-    if DOC:
-        dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
-        s = tl.where((i * KSTRIDE)[None, :] >= dst[:, None], s, float("-inf"))
-    p = tl.exp2(s)
-    acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-    dp = tl.dot(do, tl.trans(v))
-    dsc = p * (dp - delta[:, None])
-    acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
-    return acc_k, acc_v
-
-
-@triton.jit
 def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
               T, TQ, S, HKV, qk_scale, G: tl.constexpr,
               KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
@@ -264,98 +202,6 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
-@triton.jit
-def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                 T, TQ, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
-                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
-                 BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
-                 SPLIT: tl.constexpr, TMA: tl.constexpr):
-    """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
-    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
-    q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
-    do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    t_lo = (pid_m * ROWS) // G
-    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
-    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
-    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
-    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
-    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
-    if TMA:  # descriptors of the whole [B, S, HKV, D] tensors (see _scores)
-        kb, vb = K, V
-    else:
-        kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
-    bkv = (pid_bh // HKV, kv)
-    dq = tl.zeros([ROWS, DKP], tl.float32)
-    for i0 in range(i_start, m1, BK):
-        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, True, TMA)
-    for i0 in range(m1, m2, BK):
-        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, False, TMA)
-    for i0 in range(m2, i_end, BK):
-        dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
-                      DK, DV, DKP, DVP, DOC, True, TMA)
-    dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
-    dq = dq * sm_scale
-    if ACC:
-        dq += tl.load(DQ + dq_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(DQ + dq_off + dk[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
-
-
-@triton.jit
-def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                   T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
-                   KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
-                   BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
-                   TMA: tl.constexpr):
-    """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]. With
-    TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive)."""
-    pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    i = pid_n * BK + tl.arange(0, BK)
-    kmask = i < S
-    k = tl.load(K + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
-                mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + i[:, None] * svs + kv * svh + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-    pos = i * KSTRIDE + KOFF
-    q_lo = pid_n * BK * KSTRIDE + KOFF
-    q_hi = TQ
-    if WIN > 0:
-        q_hi = tl.minimum(TQ, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
-    q_lo, q_hi = q_lo * G, q_hi * G  # as packed rows
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), ROWS) * ROWS
-    lo = q_lo + pid_s * chunk
-    hi = tl.minimum(lo + chunk, q_hi)
-    acc_k = tl.zeros([BK, DKP], tl.float32)
-    acc_v = tl.zeros([BK, DVP], tl.float32)
-    m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, TQ, G, KSTRIDE, KOFF, WIN,
-                               ROWS, SPLIT)
-    for r0 in range(lo, m1, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA)
-    for r0 in range(m1, m2, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False, TMA)
-    for r0 in range(m2, hi, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA)
-    base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
-    tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
-    tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
-
-
 def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> dict:
     if not cuda:  # interpreter: fewer, larger programs (it pays per op, not per element)
         return dict(rows=64, BK=32 if dmax > 128 else 64, num_warps=4, num_stages=1)
@@ -380,33 +226,9 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     return max(pow2(c["rows"]), 16), c["BK"], kw, bool(c.get("tma", x.device.type == "cuda"))
 
 
-def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
-    """dK/dV's Q and dO (arguments 0 and 3) as [B, T * HQ, D] descriptors with [1, ROWS, D] boxes: with one KV head
-    the packed rows R = t * G + h of a tile are consecutive rows of that view (with more, a tile's rows skip the other
-    groups' heads, and the loads stay pointer loads). Empty when not one KV head or not that view."""
-    if hkv != 1 or any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, do)):
-        return {}
-    return {i: (x, [x.shape[0], x.shape[1] * x.shape[2], x.shape[3]], [x.stride(0), x.stride(2), 1],
-                [1, rows, x.shape[3]]) for i, x in ((0, q), (3, do))}
-
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
-    """Query-range splits per key tile for dK/dV. With a window every key tile sees <= w + BK queries: 1.
-    Without one (compressed keys: Tc = T/d, so only T/(d*BK) key tiles per head), the first tiles are seen
-    by almost all T queries: split so that the grid has ~4 programs per SM (at 8k, 8 key tiles x 4 heads
-    were 32 programs for 132 SMs) and no program walks more than T/8 queries; >= 256 queries per split.
-    Partial sums are [nsplit, B, Tc, HKV, D] fp32: nsplit <= 32 keeps them linear in T."""
-    if window > 0:
-        return 1
-    if device.type != "cuda":  # interpreter tests: still exercise the partial-sum path
-        return 2 if T >= 32 else 1
-    want = max(min(8, triton.cdiv(T, 4096)), triton.cdiv(4 * sm_count(device.index or 0), max(tiles, 1)))
-    return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 
 def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = None, doc_start=None,
@@ -430,55 +252,3 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
     return o, lse
 
 
-def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
-             cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, n_queries: int | None = None,
-             dkv_acc: tuple | None = None, parts: str = "all", dkv_out: tuple | None = None):
-    """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
-    ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
-    ``doc_start`` as in band_fwd; ``n_queries`` as in band_fwd (dQ rows past it are not written);
-    ``dkv_acc``: (dk, dv) of at least S rows: add this call's dK/dV to their first S rows (in fp32, one rounding)
-    and return them. ``parts``: "all", "dq" (dk, dv returned as None) or "dkdv" (dq None), so that the two halves
-    can run on different streams; ``dkv_out``: (dk, dv) shaped like k, v to write into instead of new tensors
-    (allocated by a caller on its own stream)."""
-    if parts not in ("all", "dq", "dkdv"):
-        raise ValueError(f"band_bwd: parts={parts!r}; use 'all', 'dq' or 'dkdv'")
-    B, T, HQ, DK = q.shape
-    S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
-    G = HQ // HKV
-    tq = T if n_queries is None else n_queries
-    do = do.contiguous()
-    if delta is None:
-        delta = rowdot(do, o)  # [B, T, HQ] fp32: rowsum(dO * O), the softmax-backward term
-    dims = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=window, DK=DK, DV=DV, DKP=pow2(max(DK, 16)),
-                DVP=pow2(max(DV, 16)), DOC=doc_start is not None)
-    ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    dq = None
-    if parts != "dkdv":
-        dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-        rows, bk, kw, tma = _launch("band_dq", G, max(DK, DV), window > 0, q, cfg_dq)
-        launch_tma(_band_bwd_dq, (triton.cdiv(tq * G, rows), B * HKV),
-                    (q, k, v, do, lse, delta, dq, ds, *strides, T, tq, S, HKV, DK**-0.5 * LOG2E, DK**-0.5),
-                    kv_specs(k, v, bk), tma, dict(ROWS=rows, BK=bk, **dims, ACC=dq_acc is not None, **kw))
-    if parts == "dq":
-        return dq, None, None
-    rows, bk, kw, tma = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
-    nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
-    dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
-    dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
-    if S > 0:
-        launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
-                    (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-                     nsplit), _rows_specs(q, do, rows, HKV), tma, dict(ROWS=rows, BK=bk, **dims, **kw))
-    if dkv_acc is not None:
-        dk, dv = dkv_acc
-        add_splits(dkp, dk)
-        add_splits(dvp, dv)
-        return dq, dk, dv
-    # One split (the window branch): a cast, no reduction over a size-1 dimension.
-    dk, dv = (dkp[0], dvp[0]) if nsplit == 1 else (dkp.sum(0), dvp.sum(0))
-    if dkv_out is None:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    dkv_out[0].copy_(dk)
-    dkv_out[1].copy_(dv)
-    return dq, *dkv_out

@@ -137,7 +137,7 @@ def _add_splits(P, X, N, S, T, HKV, NSPLIT, D: tl.constexpr, DP: tl.constexpr, B
 
 def add_splits(part, x) -> None:
     """x [B, T, H, D] (contiguous): its first S token rows += part.sum(0) for fp32 partials part [NSPLIT, B, S, H, D],
-    summed in fp32 and rounded once (band.band_bwd's dkv_acc)."""
+    summed in fp32 and rounded once (band_bwd.band_bwd's dkv_acc)."""
     nsplit, B, S, H, D = part.shape
     if not (x.is_contiguous() and x.shape[0] == B and x.shape[1] >= S and x.shape[2:] == (H, D)):
         raise ValueError(f"add_splits: need a contiguous [{B}, >= {S}, {H}, {D}] tensor, got {tuple(x.shape)} "

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from nsa_titan.kernels import band, combine, select, selected, selected_bwd
+from nsa_titan.kernels import band, band_bwd, combine, select, selected, selected_bwd
 from nsa_titan.kernels.selected_blocks import pair_key_dtype
 
 
@@ -177,17 +177,17 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     dk_win, dv_win, dk_cmp, dv_cmp = map(torch.empty_like, (k_win, v_win, k_cmp, v_cmp))
     fork = _Side(q)
     with fork:
-        band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], doc_start=doc_start,
+        band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], doc_start=doc_start,
                       parts="dkdv", dkv_out=(dk_win, dv_win))
         if k_cmp.shape[1] == 0:  # nothing was visible: no gradient flows through the compressed branch
             dk_cmp.zero_()
             dv_cmp.zero_()
         else:
-            band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
+            band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
                           doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp))
     prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     if prefix == t:
-        dq, dk_slc, dv_slc = band.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
+        dq, dk_slc, dv_slc = band_bwd.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
                                            doc_start=doc_start)
     else:
         dq, dk_slc, dv_slc = selected_bwd.sel_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc,
@@ -195,13 +195,13 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
                                                   delta=delta[1], doc_start=doc_start,
                                                   keys=pair_keys if pair_keys.numel() else None)
         if prefix:  # the prefix rows' dQ (added to the sparse kernels' zeros) and their keys' dK/dV (added)
-            band.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
+            band_bwd.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
-    band.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
+    band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
                   doc_start=doc_start, parts="dq")
     if k_cmp.shape[1]:
-        band.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
+        band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
                       dq_acc=dq, doc_start=doc_start, parts="dq")
     fork.join()
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates

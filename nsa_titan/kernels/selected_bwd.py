@@ -251,7 +251,7 @@ def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.conste
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
             cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None):
-    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band.band_bwd; ``keys``: the forward's
+    """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band_bwd.band_bwd; ``keys``: the forward's
     sorted pair keys (sel_fwd with_pairs), or None to sort here."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
