@@ -113,6 +113,20 @@ def _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE: tl.constexpr, KOFF: tl.c
 
 
 @triton.jit
+def _tile_keys(DS, pid_m, b, t, row_ok, T, TQ, S, G: tl.constexpr, ROWS: tl.constexpr, KSTRIDE: tl.constexpr,
+               KOFF: tl.constexpr, WIN: tl.constexpr, BK: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr):
+    """The keys a query tile (pid_m, rows t) walks, for the forward and dQ: -> (ds: its rows' document starts,
+    i_start, i_end: its key range, [m1, m2): the whole key tiles that every row sees, no mask needed)."""
+    t_lo = (pid_m * ROWS) // G
+    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
+    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
+    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
+    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
+    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
+    return ds, i_start, i_end, m1, m2
+
+
+@triton.jit
 def _scores(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, qk_scale, KSTRIDE: tl.constexpr, KOFF: tl.constexpr,
             WIN: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
             DVP: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
@@ -171,12 +185,8 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    t_lo = (pid_m * ROWS) // G
-    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
-    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
-    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
-    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
-    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
+    ds, i_start, i_end, m1, m2 = _tile_keys(DS, pid_m, b, t, row_ok, T, TQ, S, G, ROWS, KSTRIDE, KOFF, WIN, BK, DOC,
+                                            SPLIT)
     m_i = tl.full([ROWS], -1e30, tl.float32)  # finite start: no inf - inf on fully masked tiles
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DVP], tl.float32)

@@ -14,13 +14,10 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import (
     LOG2E,
-    _doc_key_start,
-    _doc_rows,
-    _key_range,
     _launch,
     _rows,
     _scores,
-    _unmasked_keys,
+    _tile_keys,
     _visible,
     sm_count,
 )
@@ -109,12 +106,8 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    t_lo = (pid_m * ROWS) // G
-    t_hi = tl.minimum((pid_m * ROWS + ROWS - 1) // G, TQ - 1)
-    i_start, i_end = _key_range(t_lo, t_hi, S, KSTRIDE, KOFF, WIN)
-    ds = _doc_rows(DS, b, t, row_ok, T, DOC)
-    i_start = _doc_key_start(i_start, ds, row_ok, T, KSTRIDE, DOC)
-    m1, m2 = _unmasked_keys(t_lo, t_hi, i_start, i_end, KSTRIDE, KOFF, WIN, BK, SPLIT)
+    ds, i_start, i_end, m1, m2 = _tile_keys(DS, pid_m, b, t, row_ok, T, TQ, S, G, ROWS, KSTRIDE, KOFF, WIN, BK, DOC,
+                                            SPLIT)
     if TMA:  # descriptors of the whole [B, S, HKV, D] tensors (see _scores)
         kb, vb = K, V
     else:
