@@ -29,6 +29,15 @@ TUNED: dict[tuple, dict] = {
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
     ("band_dkdv", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
+    # qwen7b (G 7, head dim 128), both band forwards at 64 rows / 4 warps / 3 stages as for G 16 (fifteenth session,
+    # sweep_band_fwddq_s15_*, batch 2; 128 rows / 8 warps before): compressed 8k 0.276 -> 0.231 ms, 32k 2.33 -> 2.19;
+    # window 8k 0.428 -> 0.365, 32k 1.68 -> 1.54. (The 1b's identical default and explicit 64/64/4/3 launches in the
+    # same sweep differed by up to 7 % at 32k: the spread between runs of one shape.) Profiled against the parent
+    # (ab_profile_qwen_bandfwd_s15_*, 2 interleaved rounds): both band forwards 0.698 -> 0.617 ms at 8k batch 2,
+    # 4.13 -> 3.72 at 32k; the attention totals, 0.978x and 0.987x, moved with kernels this change does not touch
+    # (the selected dQ and dK/dV, +4 %, one new round faster than both old ones): noise of +-3 % per round.
+    ("band_fwd", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_fwd", 8, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     # m7c (G 6, head dim 64): 64 rows / 4 warps but for the window forward; from the 32k runs (at 8k the band
     # backward takes ~0.2-0.3 ms and varied up to 1.7x between identical launches: host-bound). Compressed
     # forward 0.51 -> 0.42 ms; band backward with this dQ: compressed 1.66 -> 1.53, window 0.97 -> 0.89; with
