@@ -130,6 +130,27 @@ def environment() -> dict[str, str | None]:
     return {"device": device_name(device), **software_versions()}
 
 
+def write_markdown(result: dict, out: Path) -> None:
+    """train_<tag>.md from a run's JSON (also ``--from-json``: a device call that brought back only the JSON)."""
+    rows, notes = result["rows"], result.get("notes", [])
+    lines = [f"# Training throughput: {result['tag']} ({result.get('device', '?')}, torch {result.get('torch')}, "
+             f"triton {result.get('triton')}, {result['date'][:10]})", "",
+             "| variant | tokens/s (mean after step 1) | tokens/s/GPU (last log window) | MFU | GPU busy | peak GiB "
+             "| loss first -> last |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
+            continue
+        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                     f"{fmt(r['last_window_tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
+                     f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
+                     f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
+    lines += ["", *notes]
+    (out / f"train_{result['tag']}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="train_configs/m7c_125m.toml")
@@ -141,7 +162,10 @@ def main() -> None:
     ap.add_argument("--kernel-busy", action="store_true", help="profile each variant's GPU kernel-busy share")
     ap.add_argument("--skip-train", action="store_true", help="only the in-process checks, no training runs")
     ap.add_argument("extra", nargs="*", help="overrides passed to every run, e.g. --training.seq_len 2048")
+    ap.add_argument("--from-json", help="only rewrite the markdown of an earlier run's JSON (no GPU needed)")
     a = ap.parse_args()
+    if a.from_json:
+        return write_markdown(json.loads(Path(a.from_json).read_text()), Path(a.from_json).parent)
     unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
     if unknown:
         sys.exit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
@@ -178,22 +202,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train_{a.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    lines = [f"# Training throughput: {a.tag} ({meta.get('device', '?')}, torch {meta.get('torch')}, "
-             f"triton {meta.get('triton')}, {result['date'][:10]})", "",
-             "| variant | tokens/s (mean after step 1) | tokens/s/GPU (last log window) | MFU | GPU busy | peak GiB "
-             "| loss first -> last |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
-            continue
-        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{fmt(r['last_window_tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
-                     f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
-                     f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
-    lines += ["", *notes]
-    (out / f"train_{a.tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(result, out)
 
 
 if __name__ == "__main__":

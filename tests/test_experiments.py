@@ -516,16 +516,38 @@ def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     row = dict(nsa_fwd_ms=0.8, sdpa_fwd_ms=0.3, sdpa_fwdbwd_ms=1.0, speedup_fwd=0.4, speedup_fwdbwd=0.5)
-    payload = dict(device="H100 x", torch="t", triton="r", date="d", bench=[
+    payload = dict(device="H100 x", torch="t", triton="r", date="d", note="three runs, merged", bench=[
         dict(row, config="m7c", T=8192, nsa_fwdbwd_ms=2.1, nsa_fwdbwd_kernel_ms=1.3),
         dict(row, config="m7c", T=32768, nsa_fwdbwd_ms=6.0, nsa_fwdbwd_kernel_ms=5.9),
         dict(row, config="1b", T=8192, nsa_fwdbwd_ms=2.5)])  # an older run's JSON: no kernel time
     mod.write(str(tmp_path), payload)
     lines = (tmp_path / "attention_H100_x.md").read_text().splitlines()
+    assert lines[2].endswith("for the analysis. three runs, merged")  # a merged table says so in its header
     rows = {tuple(x.split(" | ")[:2]): x for x in lines if x.startswith("| m7c") or x.startswith("| 1b")}
     assert "| 1.30 (host-bound) |" in rows[("| m7c", "8192")]
     assert "| 5.90 |" in rows[("| m7c", "32768")] and "host-bound" not in rows[("| m7c", "32768")]
     assert "host-bound" not in rows[("| 1b", "8192")] and "| 2.50 | - |" in rows[("| 1b", "8192")]
+
+
+def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypatch):
+    """bench_train.py --from-json: the markdown of a run whose device call brought back only its JSON, with the
+    same rows (a failed variant included) as the run itself writes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train", common.REPO / "benchmarks" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ok = dict(variant="triton_compile_cg", tokens_per_s=231862.4, last_window_tokens_per_s_per_gpu=323570.0,
+              mfu=0.129, gpu_busy=0.994, peak_mem_gib=7.41, initial_loss=5.92, final_loss=2.85)
+    result = dict(tag="m7c_x", device="H100", torch="t", triton="r", date="2026-11-26T18:00:00+00:00",
+                  notes=["a note"], rows=[ok, dict(variant="dense_compile_cg", error="exit code 2")])
+    (tmp_path / "train_m7c_x.json").write_text(json.dumps(result))
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--from-json", str(tmp_path / "train_m7c_x.json")])
+    mod.main()
+    md = (tmp_path / "train_m7c_x.md").read_text()
+    assert md.startswith("# Training throughput: m7c_x (H100, torch t, triton r, 2026-11-26)")
+    assert "| triton_compile_cg | 231,862 | 323,570 | 12.9% | 99.4% | 7.4 | 5.92 -> 2.85 |" in md
+    assert "| dense_compile_cg | failed: exit code 2 | | | | | |" in md and md.rstrip().endswith("a note")
 
 
 def test_bench_window_table_lists_the_paths_that_ran_with_their_determinism():
