@@ -35,7 +35,8 @@ VARIANTS = {  # first = the token-centric pointer form (for G 16 at head dim 128
     "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3),
                 # K/V through tensor descriptors (selected.py TMA): ~100 registers and no spills at head dim 128
                 dict(_v(), tma=True), dict(_v(1), tma=True), dict(_v(2, st=3), tma=True), dict(_v(4), tma=True),
-                dict(_v(2, w=8), tma=True),
+                dict(_v(2, w=8), tma=True), dict(_v(1, st=3), tma=True), dict(_v(1, w=2), tma=True),
+                dict(_v(1, w=2, st=3), tma=True), dict(_v(1, w=8), tma=True),
                 # block-centric (selected_blocks.py): rows = tokens per chunk * next_pow2(G)
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=1),
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=2),

@@ -74,8 +74,11 @@ TUNED: dict[tuple, dict] = {
     # recomputed (the default where dS does not fit DS_BUDGET: the 1b from 64k on): 1b 2.12 -> 1.86 / 8.64 -> 7.73,
     # paper 8.23 -> 7.17 / 34.96 -> 31.86; dQ from stored dS, the default below that, is unchanged (1.72 / 6.85).
     # qwen7b (G 7 in 16 rows, the same kernel shape) at 32k batch 1, where dQ recomputes: 13.63 -> 11.76 ms
-    # (sweep_selected_qwen_dq_s15_*); its forward runs block-centric.
-    ("sel_fwd", 16, 128, False): dict(NPI=1, tma=True),
+    # (sweep_selected_qwen_dq_s15_*); its forward runs block-centric. The forward with 2 warps (one 16-row tile per
+    # program needs no more; sweep_selected_tma2_s15_*): 1b 8k 0.970 -> 0.865 ms, 32k 4.16 -> 3.88; paper 8k 3.62 ->
+    # 3.48, 32k 16.30 -> 15.95. Profiled against 4 warps (ab_profile_sel_fwd_w2_s15_*): attention 1b 8k batch 2
+    # 1.045x (`_sel_fwd` 1.010 -> 0.879 ms), 32k 1.016x; paper 8k 1.003x, 32k 1.006x.
+    ("sel_fwd", 16, 128, False): dict(NPI=1, tma=True, num_warps=2),
     ("sel_dq", 16, 128, False): dict(tma=True),
     ("sel_dq", 8, 128, False): dict(tma=True),
 }
