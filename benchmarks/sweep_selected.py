@@ -48,7 +48,10 @@ VARIANTS = {  # first = the token-centric pointer form (for G 16 at head dim 128
     "sel_dq": [dict(_v(), algo="ds"), dict(_v(1, st=3), algo="ds"), dict(_v(2, w=8), algo="ds"),
                dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute"),
                dict(_v(), algo="recompute", tma=True), dict(_v(1), algo="recompute", tma=True),
-               dict(_v(2, st=3), algo="recompute", tma=True)],
+               dict(_v(2, st=3), algo="recompute", tma=True),
+               # 2 warps, as the token forward runs since attempt 66 (one 16-row tile per program); untimed
+               dict(_v(1, w=2), algo="recompute", tma=True), dict(_v(2, w=2), algo="recompute", tma=True),
+               dict(_v(2, w=2), algo="ds"), dict(_v(1, w=2), algo="ds")],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),
