@@ -31,7 +31,7 @@ def _v(NPI=2, w=4, st=2):
     return dict(algo="token", NPI=NPI, num_warps=w, num_stages=st)
 
 
-VARIANTS = {  # first = the token-centric pointer form (for G 16 at head dim 128 the default is tma, NPI 1: tuned.py)
+VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tma, NPI 1, 2 warps by default, tuned.py)
     "sel_fwd": [_v(), _v(1, st=3), _v(2, st=3), _v(2, w=8), _v(1, w=2, st=3),
                 # K/V through tensor descriptors (selected.py TMA): ~100 registers and no spills at head dim 128
                 dict(_v(), tma=True), dict(_v(1), tma=True), dict(_v(2, st=3), tma=True), dict(_v(4), tma=True),
