@@ -45,13 +45,18 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                 dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
     # dQ = dS K from the dS the dK/dV walk stores ('ds', the default when its buffer fits selected.DS_BUDGET),
     # or recomputed per token; each timed as the whole selected backward
-    "sel_dq": [dict(_v(), algo="ds"), dict(_v(1, st=3), algo="ds"), dict(_v(2, w=8), algo="ds"),
-               dict(_v(4), algo="ds"), dict(_v(), algo="recompute"), dict(_v(1, st=3), algo="recompute"),
+    # (2 warps with pointer loads, ds and recompute, lost at 1b and paper 8k / 32k: sweep_selected_dq_w2_s16_*.)
+    "sel_dq": [dict(_v(), algo="ds", tma=False), dict(_v(1, st=3), algo="ds", tma=False),
+               dict(_v(2, w=8), algo="ds", tma=False), dict(_v(4), algo="ds", tma=False),
+               dict(_v(), algo="recompute", tma=False), dict(_v(1, st=3), algo="recompute", tma=False),
                dict(_v(), algo="recompute", tma=True), dict(_v(1), algo="recompute", tma=True),
                dict(_v(2, st=3), algo="recompute", tma=True),
-               # 2 warps, as the token forward runs since attempt 66 (one 16-row tile per program); untimed
-               dict(_v(1, w=2), algo="recompute", tma=True), dict(_v(2, w=2), algo="recompute", tma=True),
-               dict(_v(2, w=2), algo="ds"), dict(_v(1, w=2), algo="ds")],
+               # dQ from stored dS with K and dS through descriptors (G 16 at l' 64: one [G, l'] box per slot):
+               # 72-128 registers offline against 126-255 (and spills at 2 warps) with pointer loads
+               dict(_v(), algo="ds", tma=True), dict(_v(1), algo="ds", tma=True),
+               dict(_v(1, st=3), algo="ds", tma=True),
+               dict(_v(1, w=2), algo="ds", tma=True), dict(_v(1, w=2, st=3), algo="ds", tma=True),
+               dict(_v(2, w=2), algo="ds", tma=True)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),
@@ -113,7 +118,8 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
         out[kname] = res
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "
-              + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
+              + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{'t' if r['cfg'].get('tma') else ''}"
+                          f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
                           f"{r['cfg'].get('chunk_tiles', '-')}/"
                           f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"

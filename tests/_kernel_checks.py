@@ -288,6 +288,48 @@ def _sel_tma_check(device):
             "unequal_one_block": unequal_one_block}
 
 
+# dQ from stored dS through descriptors needs l' >= 16 (a slot's dS rows are one box's width). A group of 16 fills
+# the 16-row box exactly (the 1b's and the paper config's shape), a smaller one reads the next slots' rows too
+# (qwen7b's G 7); of the cases above only g3_hkv2_lp16 qualifies, so two G 16 cases (one with documents) join it.
+DS_TMA_CASES = [
+    ("g16_lp16", 1, 70, 16, 1, 32, 32, (16, 8, 16, 3, 24), "float32"),
+    ("doc_g16_lp16", 1, 70, 16, 1, 32, 16, (16, 8, 16, 3, 24), "float32", [[0, 9, 40]]),
+    CASES[3],
+]
+
+
+def _sel_dq_ds_tma_check(device):
+    """dQ = dS K from the dS the dK/dV walk stored, with K and dS through tensor descriptors (selected_bwd TMA: one
+    block and one [G, l'] dS box per MMA) against pointer loads: with one block per step the same tiles and
+    summation order, so equal to the bit; with two blocks per step (the pointer form then runs 128-key tiles) a
+    float bound. Both cases must take the descriptor path (launch_tma's fallback warning is an error here)."""
+    import warnings
+
+    import torch
+
+    from nsa_titan.kernels import selected_bwd, tma
+
+    worst, took, unequal = {}, 0, []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        for case in DS_TMA_CASES:
+            x = _sel_inputs(case, device)
+            lp = x["p"].slc_block
+            took += tma.descriptor(x["ks"], list(x["ks"].shape), list(x["ks"].stride()),
+                                   [1, lp, 1, x["ks"].shape[-1]]) is not None
+            dq = {}
+            for npi in (1, 2):
+                for use in (False, True):
+                    dq[npi, use] = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"],
+                                                        lp, cfg_dq=dict(algo="ds", NPI=npi, tma=use),
+                                                        doc_start=x["doc"])[0]
+            if not torch.equal(dq[1, False], dq[1, True]):
+                unequal.append(case[0])
+            worst[case[0]] = rel_err(dq[2, True], dq[2, False])
+    return {"ok": took == len(DS_TMA_CASES) and not unequal and all(w < 1e-5 for w in worst.values()),
+            "worst": worst, "cases_with_descriptors": took, "unequal_one_block": unequal}
+
+
 def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
@@ -540,7 +582,8 @@ def _decode_fused_check(device):
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
-          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("select_merge", _select_merge_check),
+          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check),
+          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
           ("decode_fused", _decode_fused_check))

@@ -180,6 +180,8 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
     # does not.
     c["tma"] = False
     tuned = TUNED.get((kernel, pow2(G), dmax, False), {})
+    if kernel == "sel_dq" and {**c, **(cfg or {})}.get("algo") == "ds":  # dQ from stored dS: its own kernel, shape
+        tuned = {**tuned, **TUNED.get(("sel_dq_ds", pow2(G), dmax, False), {})}
     if q.device.type != "cuda":  # the interpreter keeps all n blocks per step, pointer loads (tests ask for tma)
         tuned = {k: v for k, v in tuned.items() if k not in ("NPI", "tma")}
     c.update(tuned)

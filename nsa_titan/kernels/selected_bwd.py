@@ -80,10 +80,12 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
 @triton.jit
 def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                    NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                   ACC: tl.constexpr):
+                   ACC: tl.constexpr, TMA: tl.constexpr):
     """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
     block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
-    ACC flag as _sel_bwd_dq."""
+    ACC flag as _sel_bwd_dq. TMA: K is a [B, S, HKV, D] descriptor with [1, BS, 1, D] boxes and DSB a
+    [pairs * G, l'] descriptor with [GR, l'] boxes (BS = l'; rows past G belong to the next slots and only reach dQ
+    rows that are not stored); one block per MMA."""
     t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
@@ -96,16 +98,25 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
     # Token t has at most t // l' + 1 candidate blocks, listed first (selected.token_group's n_used; documents
     # only lower the count, and their slots past it are unused too).
     for n0 in range(0, tl.minimum(t // LP + 1, NSEL), NPI):
-        slot = n0 + c // BS
-        blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
-        s_pos = blk * LP + c % BS
-        # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
-        kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
-        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                    mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
-                     mask=row_ok[:, None] & kmask[None, :], other=0.0)
-        dq += tl.dot(ds, k)
+        if TMA:
+            for j in tl.static_range(NPI):
+                # An unused slot (block -1, or a slot past NSEL) reads K at negative rows (zeros) and dS it never
+                # wrote: zeroed here. Keys past t (or T) have dS = 0 as written by the walk.
+                blk = tl.load(IDX + pair0 + n0 + j, mask=n0 + j < NSEL, other=-1).to(tl.int32)
+                k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
+                ds = DSB.load([((pair0 + n0 + j) * G).to(tl.int32), 0])
+                dq += tl.dot(tl.where(blk >= 0, ds, 0.0).to(k.dtype), k)
+        else:
+            slot = n0 + c // BS
+            blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
+            s_pos = blk * LP + c % BS
+            # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
+            kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
+            k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                        mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+            ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
+                         mask=row_ok[:, None] & kmask[None, :], other=0.0)
+            dq += tl.dot(ds, k)
     _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
 
 
@@ -303,9 +314,16 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
                                               DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
     if algo == "ds":
-        _sel_bwd_dq_ds[(T, B * HKV)](k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5, LP=slc_block,
-                                     BS=bs, NSEL=n, NPI=lq["NPI"], GR=max(16, pow2(G)), DK=DK, DKP=dkp,
-                                     ACC=dq_acc is not None, num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+        gr = max(16, pow2(G))
+        # Descriptors where a slot's dS rows are l' = BS wide: a [GR, l'] box from the slot's first row. With G < GR
+        # its last GR - G rows are the next slots' (or zeros past the buffer): they only reach dQ rows that are
+        # never stored. K's box is kv_specs' (V is not read here).
+        specs = {0: (k, list(k.shape), list(k.stride()), [1, bs, 1, k.shape[-1]]),
+                 1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
+        launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
+                   specs, lq["tma"] and bs == slc_block,
+                   dict(LP=slc_block, BS=bs, NSEL=n, NPI=lq["NPI"], GR=gr, DK=DK, DKP=dkp, ACC=dq_acc is not None,
+                        num_warps=lq["num_warps"], num_stages=lq["num_stages"]))
     elif algo == "partials":
         sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
     return dq, dk, dv
