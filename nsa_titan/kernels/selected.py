@@ -117,9 +117,13 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
 
 
 # dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
-# head and token: 8x dQ's size at l' = 64, n = 16, head dim 128). Above this size dQ recomputes instead, which
-# keeps the long-sequence rows' peak memory where it was (1b at 64k: 2 GiB; paper config at 64k: 8 GiB).
-DS_BUDGET = 1 << 30
+# head and token: 8x dQ's size at l' = 64, n = 16, head dim 128); the dQ partials of small groups the same size at
+# head dim 64. Above this size dQ recomputes instead (paper config at 64k: 8 GiB of dS). 2 GiB since the sixteenth
+# session (1 GiB before): the 1b at 64k (exactly 2 GiB) and m7c at 64k (1.6 GiB of partials) stop recomputing.
+# Profiled on one H200 (ab_profile_ds_budget2g_s16_H200.md): attention 1b 64k 1.047x, m7c 64k 1.330x; whole model
+# 1b 64k with full AC on an H100: 2.15x dense against 2.13x, and the same 48.0 GiB peak (it is in the loss's
+# backward, not here: memory_peak_1b_seq65536_acfull_nsa_vs_dense.md).
+DS_BUDGET = 2 << 30
 # B * T from which groups of <= 8 heads run the forward block-centric (_cfg). With 4 tiles per program it wins at
 # every size measured, the whole attention fwd+bwd on an H100 (blocks_threshold_H100.json): m7c batch 1 at 2k
 # 1.03x, 4k 1.24x, 8k 1.27x; qwen7b batch 1 at 4k 1.17x, 8k 1.18x (16384 before attempt 51). 2048 is the smallest

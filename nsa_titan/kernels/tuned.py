@@ -71,9 +71,10 @@ TUNED: dict[tuple, dict] = {
     # Token-centric forward and dQ recompute with K/V through tensor descriptors (selected.py, attempt 62), H100
     # batch 2 (sweep_selected_tma_s15_*), forward 8k / 32k: 1b 1.025 -> 0.967 / 4.335 -> 4.162 ms (one block per
     # step; two: 0.970 / 4.170), paper config 4.05 -> 3.65 / 17.41 -> 16.35. The whole selected backward with dQ
-    # recomputed (the default where dS does not fit DS_BUDGET: the 1b from 64k on): 1b 2.12 -> 1.86 / 8.64 -> 7.73,
-    # paper 8.23 -> 7.17 / 34.96 -> 31.86; dQ from stored dS, the default below that, is unchanged (1.72 / 6.85).
-    # qwen7b (G 7 in 16 rows, the same kernel shape) at 32k batch 1, where dQ recomputes: 13.63 -> 11.76 ms
+    # recomputed (the default where dS does not fit DS_BUDGET: the 1b above 64k tokens per step, above 32k before
+    # the sixteenth session): 1b 2.12 -> 1.86 / 8.64 -> 7.73, paper 8.23 -> 7.17 / 34.96 -> 31.86; dQ from stored dS,
+    # the default below that, is unchanged (1.72 / 6.85). qwen7b (G 7 in 16 rows, the same kernel shape) at 32k
+    # batch 1, where dQ recomputed until the sixteenth session: 13.63 -> 11.76 ms
     # (sweep_selected_qwen_dq_s15_*); its forward runs block-centric. The forward with 2 warps (one 16-row tile per
     # program needs no more; sweep_selected_tma2_s15_*): 1b 8k 0.970 -> 0.865 ms, 32k 4.16 -> 3.88; paper 8k 3.62 ->
     # 3.48, 32k 16.30 -> 15.95. Profiled against 4 warps (ab_profile_sel_fwd_w2_s15_*): attention 1b 8k batch 2
