@@ -72,7 +72,18 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                  dict(rows=64, num_warps=4, num_stages=2, chunk_tiles=256),
                  # one stage (the block-centric forward's gathers ran fastest with one, attempt 51)
                  dict(rows=64, num_warps=4, num_stages=1), dict(rows=32, num_warps=4, num_stages=1),
-                 dict(rows=128, num_warps=8, num_stages=1)],
+                 dict(rows=128, num_warps=8, num_stages=1),
+                 # G 16 (the 1b, the paper config): the tuned pointer walk, the pointer walk with one pair per step,
+                 # and each pair's Q / dO (and dS store) through descriptors (selected_bwd._walk_step_tma; offline
+                 # sm_90, 1b shape: 236-250 registers and no spills at 16 rows / 4 warps, 201 at 64 rows / 8 warps,
+                 # against 255 and 184 B of spills for the tuned pointer walk)
+                 dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
+                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True),
+                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True, tma=True),
+                 dict(rows=16, num_warps=4, num_stages=3, mask_split=True, tma=True),
+                 dict(rows=16, num_warps=8, num_stages=2, mask_split=True, tma=True),
+                 dict(rows=32, num_warps=4, num_stages=3, mask_split=True, tma=True),
+                 dict(rows=64, num_warps=8, num_stages=2, mask_split=True, tma=True)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
     # per chunk; the first is the heuristic default (tuned.py picks 256 rows / 8 warps for m7c). Each is held to
     # the float64 selection (float64_selection).

@@ -330,6 +330,39 @@ def _sel_dq_ds_tma_check(device):
             "worst": worst, "cases_with_descriptors": took, "unequal_one_block": unequal}
 
 
+def _walk_tma_check(device):
+    """The dK/dV walk with each pair's Q / dO rows (and its dS store) through tensor descriptors (selected_bwd
+    _walk_step_tma: the pairs of a step one after another) against the pointer walk with one pair per step: the same
+    MMAs in the same order, so dK, dV and dQ from the stored dS must be equal to the bit, with 1, 2 and 4 pairs per
+    step (chunks of the same 4 pairs), with the mask-free steps, and with dQ recomputed (no dS store). G 16 cases
+    only (a pair's heads fill the tile); launch_tma's fallback warning is an error here."""
+    import warnings
+
+    import torch
+
+    from nsa_titan.kernels import selected_bwd
+
+    unequal, ran = [], 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        for case in DS_TMA_CASES[:2]:
+            x = _sel_inputs(case, device)
+            lp = x["p"].slc_block
+
+            def run(rows, tma, dq_algo="ds", **kw):
+                return selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
+                                            cfg_dq=dict(algo=dq_algo), doc_start=x["doc"],
+                                            cfg_dkdv=dict(rows=rows, chunk_tiles=4 * 16 // rows, tma=tma, **kw))
+            for dq_algo in ("ds", "recompute"):
+                for split in (False, True):
+                    ref = run(16, False, dq_algo, mask_split=split)
+                    for rows in (16, 32, 64):
+                        ran += 1
+                        if not all(torch.equal(a, b) for a, b in zip(ref, run(rows, True, dq_algo, mask_split=split))):
+                            unequal.append((case[0], dq_algo, split, rows))
+    return {"ok": ran == 24 and not unequal, "ran": ran, "unequal": unequal}
+
+
 def _sel_bwd_paths_check(device):
     """The selected branch's backward by its paths against each other, every case: dQ recomputed per token with
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
@@ -583,7 +616,7 @@ def _decode_fused_check(device):
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check),
-          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
+          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("walk_tma", _walk_tma_check), ("select_merge", _select_merge_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
           ("decode_fused", _decode_fused_check))
