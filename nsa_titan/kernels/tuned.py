@@ -82,12 +82,13 @@ TUNED: dict[tuple, dict] = {
     ("sel_fwd", 16, 128, False): dict(NPI=1, tma=True, num_warps=2),
     ("sel_dq", 16, 128, False): dict(tma=True),
     ("sel_dq", 8, 128, False): dict(tma=True),
-    # dQ from the stored dS (the 1b up to 32k at batch 1, the paper config at 8k) with K and each slot's [G, l'] dS
-    # through descriptors (attempt 67), one block per MMA, 2 warps, 3 stages. H100, whole selected backward, batch 2
-    # (sweep_selected_dsdq_tma_s16_*): 1b 8k 1.733 -> 1.564 ms, 32k 6.85 -> 6.41; paper 8k 6.96 -> 6.18, 32k 28.6 ->
-    # 26.6. The pointer form with 2 warps was slower (sweep_selected_dq_w2_s16_*). Profiled against the parent
-    # (ab_profile_dsdq_tma_s16_*, 2 rounds): `_sel_bwd_dq_ds` 0.618 -> 0.436 ms at 1b 8k batch 2 (attention 1.042x),
-    # 1.289 -> 1.026 at 32k batch 1 (1.020x), paper 8k 1.286 -> 0.852 (1.057x).
+    # dQ from the stored dS (where it fits selected.DS_BUDGET, 2 GiB: the 1b up to 64k tokens per step, the paper
+    # config up to 16k, qwen7b up to ~37k) with K and each slot's [G, l'] dS through descriptors (attempt 67), one
+    # block per MMA, 2 warps, 3 stages. H100, whole selected backward, batch 2 (sweep_selected_dsdq_tma_s16_*):
+    # 1b 8k 1.733 -> 1.564 ms, 32k 6.85 -> 6.41; paper 8k 6.96 -> 6.18, 32k 28.6 -> 26.6. The pointer form with 2
+    # warps was slower (sweep_selected_dq_w2_s16_*). Profiled against the parent (ab_profile_dsdq_tma_s16_*, 2
+    # rounds): `_sel_bwd_dq_ds` 0.618 -> 0.436 ms at 1b 8k batch 2 (attention 1.042x), 1.289 -> 1.026 at 32k batch 1
+    # (1.020x), paper 8k 1.286 -> 0.852 (1.057x).
     ("sel_dq_ds", 16, 128, False): dict(tma=True, NPI=1, num_warps=2, num_stages=3),
     # qwen7b (G 7: 16-row boxes that also read the next slots' rows, never stored), 8k: whole selected backward
     # batch 1 2.417 -> 2.128 ms, batch 2 4.688 -> 4.139 (sweep_selected_dsdq_tma_qwen_b{1,2}_s16_*); profiled with 2
