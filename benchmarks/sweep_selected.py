@@ -96,7 +96,13 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="sorted"),
                dict(rows=128, CI=128, num_warps=4, num_stages=1, merge="sorted"),
                dict(rows=64, CI=64, num_warps=4, num_stages=3, merge="sorted"),
-               dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="topk")],
+               dict(rows=128, CI=64, num_warps=4, num_stages=3, merge="topk"),
+               # K_cmp's chunks through a descriptor (select.py TMA; offline sm_90: m7c at 256 rows / 8 warps 197 ->
+               # 128 registers, the 1b at 128 / 4 168 -> 162)
+               dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
+               dict(rows=256, CI=64, num_warps=8, num_stages=3, tma=True),
+               dict(rows=256, CI=64, num_warps=8, num_stages=2, tma=True),
+               dict(rows=128, CI=64, num_warps=8, num_stages=3, tma=True)],
 }
 
 

@@ -184,7 +184,8 @@ def _sel_inputs(case, device):
                                                   cfg=dict(merge=m, CI=16), doc_start=doc) for m in ("topk", "sorted"))
             o, lse, keys = selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=dict(algo="blocks", rows=32),
                                             doc_start=doc, with_pairs=True)
-            x = dict(p=p, doc=doc, q=q, ks=ks, vs=vs, do=do, idx_topk=idx_topk, idx=idx, o=o, lse=lse, keys=keys)
+            x = dict(p=p, doc=doc, q=q, kc=kc, lse_c=lse_c, ks=ks, vs=vs, do=do, idx_topk=idx_topk, idx=idx, o=o,
+                     lse=lse, keys=keys)
         _SEL_INPUTS[case[0], device] = x
     return _SEL_INPUTS[case[0], device]
 
@@ -224,6 +225,31 @@ def _select_merge_check(device):
     same = {c[0]: bool(torch.equal(x["idx_topk"], x["idx"])) for c in CASES + DOC_CASES
             if (x := _sel_inputs(c, device)) is not None}
     return {"ok": len(same) == len(CASES) + len(DOC_CASES) - 1 and all(same.values()), "same": same}
+
+
+def _select_tma_check(device):
+    """The selection with K_cmp's chunks through a tensor descriptor (select.py TMA: rows before 0 or past TC read
+    zeros) against pointer loads: the same scores and merges, so the same indices, every case whose head dim is its
+    own power of two (the others fall back to pointer loads); launch_tma's fallback warning is an error here."""
+    import warnings
+
+    import torch
+
+    from nsa_titan.kernels import select, tma
+
+    same = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        for case in CASES + DOC_CASES:
+            if (x := _sel_inputs(case, device)) is None:
+                continue
+            kc, p = x["kc"], x["p"]
+            if tma.descriptor(kc, list(kc.shape), list(kc.stride()), [1, 16, 1, kc.shape[-1]]) is None:
+                continue
+            idx = select.select_blocks(x["q"], kc, x["lse_c"], p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                       cfg=dict(merge="sorted", CI=16, tma=True), doc_start=x["doc"])
+            same[case[0]] = bool(torch.equal(idx, x["idx"]))
+    return {"ok": len(same) >= 6 and all(same.values()), "same": same}
 
 
 def _select_slot_order_check(device):
@@ -617,6 +643,7 @@ def _decode_fused_check(device):
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("walk_tma", _walk_tma_check), ("select_merge", _select_merge_check),
+          ("select_tma", _select_tma_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
           ("decode_fused", _decode_fused_check))

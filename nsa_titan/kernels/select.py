@@ -27,6 +27,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E
 from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.tma import launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
 
@@ -36,7 +37,7 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
                    CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
                    NSEL: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
                    CI: tl.constexpr, BJ: tl.constexpr, DK: tl.constexpr,
-                   DKP: tl.constexpr, DOC: tl.constexpr, SORTED_MERGE: tl.constexpr):
+                   DKP: tl.constexpr, DOC: tl.constexpr, SORTED_MERGE: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
@@ -66,9 +67,12 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
     for j0 in range(j_lo, nb_tile, BJ):
         # Compressed tokens overlapping blocks j0 .. j0+BJ-1: i from j0*R - (LD-1), CI >= BJ*R + LD - 1 of them.
         i = j0 * R - (LD - 1) + ci
-        imask = (i >= 0) & (i < TC)
-        kc = tl.load(KC + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
-                     mask=imask[:, None] & (dk[None, :] < DK), other=0.0)
+        if TMA:  # KC a [B, TC, HKV, D] descriptor with [1, CI, 1, D] boxes: rows before 0 or past TC read zeros
+            kc = KC.load([b.to(tl.int32), j0 * R - (LD - 1), kv, 0]).reshape(CI, DKP)
+        else:
+            imask = (i >= 0) & (i < TC)
+            kc = tl.load(KC + b * skb + i[:, None] * sks + kv * skh + dk[None, :],
+                         mask=imask[:, None] & (dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(kc))  # unscaled: the scale goes into exp2's argument (one FMA per score)
         # One compare per score (the kernel is ALU-bound): token t sees compressed token i iff
         # i*CD + CL - 1 <= t, i.e. ci*CD <= t - CL + 1 - (j0*R - LD + 1)*CD; t < T keeps i < TC as well. Columns
@@ -138,10 +142,12 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
-    _select_kernel[(triton.cdiv(T, bt), B * HKV)](
-        q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T, TC,
-        nb, G, HKV, DK**-0.5 * LOG2E, CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n,
-        W=max(pow2(top_n), pow2(bj)), BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)),
-        DOC=doc_start is not None, SORTED_MERGE=lc["merge"] == "sorted", num_warps=lc["num_warps"],
-        num_stages=lc["num_stages"])
+    # tma: K_cmp's chunks through a descriptor (tma.py; off unless a cfg or TUNED asks: not yet timed).
+    launch_tma(_select_kernel, (triton.cdiv(T, bt), B * HKV),
+               (q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T,
+                TC, nb, G, HKV, DK**-0.5 * LOG2E),
+               {1: (k_cmp, list(k_cmp.shape), list(k_cmp.stride()), [1, ci, 1, DK])}, bool(lc.get("tma", False)),
+               dict(CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n, W=max(pow2(top_n), pow2(bj)),
+                    BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)), DOC=doc_start is not None,
+                    SORTED_MERGE=lc["merge"] == "sorted", num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
     return idx
