@@ -26,7 +26,7 @@ from nsa_titan.kernels import select
 out = []
 for BT, GP, DK in json.loads(sys.argv[1]):
     consts = dict(CD=16, CL=32, LP=64, R=4, LD=2, NSEL=16, W=16, BT=BT, GP=GP, CI=64, BJ=15, DK=DK, DKP=DK,
-                  DOC=False, SORTED_MERGE=True)
+                  DOC=False, SORTED_MERGE=True, TMA=False)
     ptr = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "IDX": "*i64", "DS": "*fp32"}
     k = compile_sm90(select._select_kernel, consts, ptr, num_warps=4, num_stages=3)
     dots = []
