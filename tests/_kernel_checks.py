@@ -5,6 +5,7 @@ that file's child process (TRITON_INTERPRET=1 on CPU, or ``--cuda``), which prin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import zlib
@@ -45,6 +46,17 @@ def doc_starts(starts_per_row, t):
     rows = [torch.tensor(st)[torch.searchsorted(torch.tensor(st), torch.arange(t), right=True) - 1]
             for st in starts_per_row]
     return torch.stack(rows)
+
+
+@contextlib.contextmanager
+def _no_descriptor_fallback():
+    """launch_tma's fallback warning (a descriptor form that did not compile, so pointer loads ran) as an error: a
+    check of a descriptor path must run that path."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+        yield
 
 
 def rel_err(a, b) -> float:
@@ -231,15 +243,12 @@ def _select_tma_check(device):
     """The selection with K_cmp's chunks through a tensor descriptor (select.py TMA: rows before 0 or past TC read
     zeros) against pointer loads: the same scores and merges, so the same indices, every case whose head dim is its
     own power of two (the others fall back to pointer loads); launch_tma's fallback warning is an error here."""
-    import warnings
-
     import torch
 
     from nsa_titan.kernels import select, tma
 
     same = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+    with _no_descriptor_fallback():
         for case in CASES + DOC_CASES:
             if (x := _sel_inputs(case, device)) is None:
                 continue
@@ -279,15 +288,12 @@ def _sel_tma_check(device):
     forward with one block per step, which must match to the bit. Cases whose head dims are not their own power of
     two fall back to pointer loads; at least one case must take the descriptor path, and no launch may fall back for
     any other reason (launch_tma's warning is an error here)."""
-    import warnings
-
     import torch
 
     from nsa_titan.kernels import selected, selected_bwd, tma
 
     worst, took, unequal_one_block = {}, 0, []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+    with _no_descriptor_fallback():
         for case in CASES + DOC_CASES:
             if (x := _sel_inputs(case, device)) is None:
                 continue
@@ -329,15 +335,12 @@ def _sel_dq_ds_tma_check(device):
     block and one [G, l'] dS box per MMA) against pointer loads: with one block per step the same tiles and
     summation order, so equal to the bit; with two blocks per step (the pointer form then runs 128-key tiles) a
     float bound. Both cases must take the descriptor path (launch_tma's fallback warning is an error here)."""
-    import warnings
-
     import torch
 
     from nsa_titan.kernels import selected_bwd, tma
 
     worst, took, unequal = {}, 0, []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+    with _no_descriptor_fallback():
         for case in DS_TMA_CASES:
             x = _sel_inputs(case, device)
             lp = x["p"].slc_block
@@ -362,15 +365,12 @@ def _walk_tma_check(device):
     MMAs in the same order, so dK, dV and dQ from the stored dS must be equal to the bit, with 1, 2 and 4 pairs per
     step (chunks of the same 4 pairs), with the mask-free steps, and with dQ recomputed (no dS store). G 16 cases
     only (a pair's heads fill the tile); launch_tma's fallback warning is an error here."""
-    import warnings
-
     import torch
 
     from nsa_titan.kernels import selected_bwd
 
     unequal, ran = [], 0
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+    with _no_descriptor_fallback():
         for case in DS_TMA_CASES[:2]:
             x = _sel_inputs(case, device)
             lp = x["p"].slc_block
@@ -556,14 +556,11 @@ def _band_tma_check(device):
     rows and keys are hidden by the mask or by LSE = +inf either way, so both must agree to the bit on the
     interpreter; both are also held to a float64 band attention. Head dim 24 (not its own power of two) must fall
     back to pointer loads."""
-    import warnings
-
     import torch
 
     from nsa_titan.kernels import band, band_bwd, tma
 
-    with warnings.catch_warnings():  # launch_tma's fallback warning as an error: descriptors must run
-        warnings.filterwarnings("error", message=".*tensor-descriptor loads", category=UserWarning)
+    with _no_descriptor_fallback():
         worst, naive, took = {}, 0.0, True
         B, T, D = 2, 100, 16
         doc = doc_starts([[0, 37, 70], [0, 50, 51]], T).to(device=device, dtype=torch.int32)
