@@ -86,19 +86,15 @@ def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages:
 def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict, hkv: int = 1) -> dict:
     """A band kernel (geometry cmp or win) or the selected dK/dV (geo "sel": l' 64, n 16, dS stored; "sel_dqp":
     dQ partials stored instead). A band kernel takes tensor descriptors where band.py passes them on a GPU (cfg
-    ``tma``, default on: K/V in the forward and dQ, Q/dO in dK/dV with one KV head); the selected dK/dV where its
-    cfg asks (``tma``, off by default: each pair's Q / dO rows and its dS, selected_bwd._walk_step_tma)."""
+    ``tma``, default on: K/V in the forward and dQ, Q/dO in dK/dV with one KV head); the selected dK/dV with
+    pointer loads (its gathers of scattered tokens are not boxes)."""
     if kernel == "sel_dkdv":
         fn, pointers = selected_bwd._sel_bwd_dkdv, dict(SEL_POINTERS)
         rows = max(cfg["rows"], band.pow2(G))
         gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
-        tma = bool(cfg.get("tma", False))
-        if tma:
-            pointers.update(Q=f"tensordesc<bf16[1,1,{G},{D}]>", DO=f"tensordesc<bf16[1,1,{G},{D}]>",
-                            DSB=f"tensordesc<bf16[{G},64]>")
         consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,
                       STORE_DS=geo == "sel", STORE_DQ=geo == "sel_dqp", DOC=False,
-                      MASK_SPLIT=bool(cfg.get("mask_split", False)), TMA=tma)
+                      MASK_SPLIT=bool(cfg.get("mask_split", False)))
     else:
         kstride, koff, win = GEOMETRY[geo]
         fn, pointers = KERNELS[kernel], dict(POINTERS)

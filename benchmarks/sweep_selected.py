@@ -73,17 +73,11 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                  # one stage (the block-centric forward's gathers ran fastest with one, attempt 51)
                  dict(rows=64, num_warps=4, num_stages=1), dict(rows=32, num_warps=4, num_stages=1),
                  dict(rows=128, num_warps=8, num_stages=1),
-                 # G 16 (the 1b, the paper config): the tuned pointer walk, the pointer walk with one pair per step,
-                 # and each pair's Q / dO (and dS store) through descriptors (selected_bwd._walk_step_tma; offline
-                 # sm_90, 1b shape: 236-250 registers and no spills at 16 rows / 4 warps, 201 at 64 rows / 8 warps,
-                 # against 255 and 184 B of spills for the tuned pointer walk)
+                 # G 16 (the 1b, the paper config): the tuned pointer walk and one pair per step. (Each pair's Q / dO
+                 # and dS through descriptors, one 16-row pair per MMA, attempt 69, lost: 1b 8k 2.20-3.55 ms
+                 # against 1.56, sweep_selected_walk_tma_s17_*; the code is in 42761be.)
                  dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
-                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True),
-                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True, tma=True),
-                 dict(rows=16, num_warps=4, num_stages=3, mask_split=True, tma=True),
-                 dict(rows=16, num_warps=8, num_stages=2, mask_split=True, tma=True),
-                 dict(rows=32, num_warps=4, num_stages=3, mask_split=True, tma=True),
-                 dict(rows=64, num_warps=8, num_stages=2, mask_split=True, tma=True)],
+                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
     # per chunk; the first is the heuristic default (tuned.py picks 256 rows / 8 warps for m7c). Each is held to
     # the float64 selection (float64_selection).
@@ -106,7 +100,7 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
 }
 
 
-def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
+def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None = None) -> dict:
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
@@ -130,8 +124,9 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
     for bt in TILES:
         out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
     for kname, fn in ((k, jobs[k]) for k in kernels):
-        ref = refs[kname]() if kname in refs else fn(VARIANTS[kname][0])
-        res, best = time_variants(fn, VARIANTS[kname], ref, same_fn=same_rows if kname in refs else None)
+        variants = [VARIANTS[kname][i] for i in pick] if pick else VARIANTS[kname]
+        ref = refs[kname]() if kname in refs else fn(variants[0])
+        res, best = time_variants(fn, variants, ref, same_fn=same_rows if kname in refs else None)
         out[kname] = res
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "
@@ -148,8 +143,15 @@ def case(name: str, T: int, B: int, kernels: list[str]) -> dict:
 def main():
     ap = sweep_parser("paper,1b,m7c,qwen7b")
     ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="",
+                    help="indices into each kernel's VARIANTS to time (default all); the first is the reference")
     a = ap.parse_args()
-    run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(",")))
+    pick = [int(i) for i in a.variants.split(",")] if a.variants else None
+    for k in a.kernels.split(","):
+        bad = [i for i in pick or [] if not 0 <= i < len(VARIANTS[k])]
+        if bad:
+            ap.error(f"--variants {bad} out of range for {k}: it has {len(VARIANTS[k])} variants (0-based)")
+    run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(","), pick))
 
 
 if __name__ == "__main__":

@@ -168,6 +168,43 @@ def _aux_grads_check(device):
     return {"ok": seen == [[True] * 8] and xs[0].grad is not None, "seen": seen}
 
 
+def _dq_buffer_check(device):
+    """The model's dq_buffer_gib reaches the backward through the custom ops: with the default budget the selected
+    branch's dQ comes from the stored dS, with a 1-byte budget it is recomputed; the gradients agree (two paths,
+    fp32 rounding only)."""
+    import torch
+
+    from nsa_titan.kernels import nsa_attention, selected_bwd
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 16, 4, 24)
+    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(*s, generator=gen).to(device) for s in
+          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
+    gates = torch.rand(B, T, HQ, 3, generator=gen).to(device)
+    algos, cfg = [], selected_bwd._cfg
+
+    def spy(kernel, *a):
+        c = cfg(kernel, *a)
+        if kernel == "sel_dq":
+            algos.append(c.get("algo", "recompute"))
+        return c
+
+    grads = []
+    selected_bwd._cfg = spy
+    try:
+        for budget in ({}, {"dq_buffer_bytes": 1}):
+            ins = [x.detach().requires_grad_(True) for x in (*xs, gates)]
+            out, _ = nsa_attention(*ins, p, causal_prefix=0, **budget)
+            out.backward(torch.ones_like(out))
+            grads.append([x.grad for x in ins])
+    finally:
+        selected_bwd._cfg = cfg
+    worst = max(rel_err(a, b) for a, b in zip(*grads))
+    return {"ok": algos == ["ds", "recompute"] and worst < 1e-5, "algos": algos, "worst": worst}
+
+
 _SEL_INPUTS: dict = {}
 
 
@@ -357,36 +394,6 @@ def _sel_dq_ds_tma_check(device):
             worst[case[0]] = rel_err(dq[2, True], dq[2, False])
     return {"ok": took == len(DS_TMA_CASES) and not unequal and all(w < 1e-5 for w in worst.values()),
             "worst": worst, "cases_with_descriptors": took, "unequal_one_block": unequal}
-
-
-def _walk_tma_check(device):
-    """The dK/dV walk with each pair's Q / dO rows (and its dS store) through tensor descriptors (selected_bwd
-    _walk_step_tma: the pairs of a step one after another) against the pointer walk with one pair per step: the same
-    MMAs in the same order, so dK, dV and dQ from the stored dS must be equal to the bit, with 1, 2 and 4 pairs per
-    step (chunks of the same 4 pairs), with the mask-free steps, and with dQ recomputed (no dS store). G 16 cases
-    only (a pair's heads fill the tile); launch_tma's fallback warning is an error here."""
-    import torch
-
-    from nsa_titan.kernels import selected_bwd
-
-    unequal, ran = [], 0
-    with _no_descriptor_fallback():
-        for case in DS_TMA_CASES[:2]:
-            x = _sel_inputs(case, device)
-            lp = x["p"].slc_block
-
-            def run(rows, tma, dq_algo="ds", **kw):
-                return selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                            cfg_dq=dict(algo=dq_algo), doc_start=x["doc"],
-                                            cfg_dkdv=dict(rows=rows, chunk_tiles=4 * 16 // rows, tma=tma, **kw))
-            for dq_algo in ("ds", "recompute"):
-                for split in (False, True):
-                    ref = run(16, False, dq_algo, mask_split=split)
-                    for rows in (16, 32, 64):
-                        ran += 1
-                        if not all(torch.equal(a, b) for a, b in zip(ref, run(rows, True, dq_algo, mask_split=split))):
-                            unequal.append((case[0], dq_algo, split, rows))
-    return {"ok": ran == 24 and not unequal, "ran": ran, "unequal": unequal}
 
 
 def _sel_bwd_paths_check(device):
@@ -637,9 +644,10 @@ def _decode_fused_check(device):
 
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
-CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("sel_blocks", _blocks_fwd_check),
+CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
+          ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check),
-          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("walk_tma", _walk_tma_check), ("select_merge", _select_merge_check),
+          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
           ("select_tma", _select_tma_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),

@@ -161,6 +161,8 @@ def test_flavors_and_validation_errors():
         get_model_args("debug", slc_top_n=2).validate()
     with pytest.raises(ValueError, match="max_seq_len"):
         get_model_args("debug").validate(seq_len=4096)
+    with pytest.raises(ValueError, match="model.dq_buffer_gib: must be > 0"):
+        get_model_args("debug", dq_buffer_gib=0.0).validate()
     assert get_model_args("debug") is not get_model_args("debug")  # callers get their own copy
 
 
@@ -212,3 +214,22 @@ def test_compress_pair_is_both_compressors(kind, dv, t):
     for a, b in zip(outs[0] + tuple(grads[0] if grads else ()), outs[1] + tuple(grads[1] if grads else ())):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert outs[0][0].shape == (2, max(0, (t - 8) // 4 + 1), 3, 16)
+
+
+@pytest.mark.parametrize("impl,gib", [("triton", 0.25), ("triton", 2.0), ("torch", 0.25)])
+def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib):
+    """model.dq_buffer_gib is handed to the Triton attention as bytes (its backward's budget for stored dS; the
+    kernels' own check dq_buffer follows it into the backward); the torch path takes no such argument."""
+    from nsa_titan.models.nsa import attention
+
+    pytest.importorskip("triton")
+    seen = []
+    torch_path = attention.NSA_IMPLS["torch"]
+
+    def spy(*a, **kw):
+        seen.append(kw.get("dq_buffer_bytes"))
+        return torch_path(*a, doc_start=kw.get("doc_start"))
+
+    monkeypatch.setitem(attention.NSA_IMPLS, impl, spy)
+    tiny_model(attn_impl=impl, dq_buffer_gib=gib)(torch.randint(0, 256, (1, 40)))
+    assert seen == ([int(gib * 2**30)] * 2 if impl == "triton" else [None, None])

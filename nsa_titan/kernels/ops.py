@@ -129,19 +129,21 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 @custom_op("nsa_titan::nsa_fwd", mutates_args=())
 def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-            window: int, doc_start: Tensor | None = None, causal_prefix: int = -1) -> tuple[
+            window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
+            dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> out, block_idx, per branch (o, lse) for the backward (cmp, slc, win), and the selected branch's sorted
     (block, token, slot) keys when its forward is block-centric (else empty), which the backward reuses instead
     of sorting again. ``doc_start`` [B, T] int32 contiguous or None: document masking in every branch
-    (reference.py's rules). ``causal_prefix``: see selected.causal_prefix (-1: automatic)."""
+    (reference.py's rules). ``causal_prefix``: see selected.causal_prefix (-1: automatic). ``dq_buffer_bytes``:
+    only handed to the backward (selected._cfg's budget for stored dS / dQ partials)."""
     return _branches_fwd(*map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)), gates.contiguous(),
                          cmp_block, cmp_stride, slc_block, top_n, window, doc_start, causal_prefix)
 
 
 @nsa_fwd.register_fake
 def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
-      doc_start=None, causal_prefix=-1):
+      doc_start=None, causal_prefix=-1, dq_buffer_bytes=selected.DS_BUDGET):
     b, t, hq, _ = q.shape
     hkv = k_slc.shape[2]
     o = _like(q, (b, t, hq, v_slc.shape[-1]))
@@ -160,11 +162,13 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
 def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
             lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int, cmp_stride: int,
-            slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1) -> tuple[
-                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
+            dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                 Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums).
-    ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes)."""
+    ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes). ``dq_buffer_bytes``: the
+    most memory the selected branch's dQ may keep in stored dS / partials (selected._cfg)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     # No dO_i = g_i * dOut is stored: every branch backward runs on dOut with its LSE lowered by log2(g_i) and
     # delta_i = dg_i (combine.combine_bwd): the same gradients, three [B, T, HQ, Dv] tensors fewer.
@@ -193,7 +197,8 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
         dq, dk_slc, dv_slc = selected_bwd.sel_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc,
                                                   _sparse_rows(block_idx.contiguous(), prefix), slc_block,
                                                   delta=delta[1], doc_start=doc_start,
-                                                  keys=pair_keys if pair_keys.numel() else None)
+                                                  keys=pair_keys if pair_keys.numel() else None,
+                                                  dq_buffer_bytes=dq_buffer_bytes)
         if prefix:  # the prefix rows' dQ (added to the sparse kernels' zeros) and their keys' dK/dV (added)
             band_bwd.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
@@ -209,18 +214,19 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
 
 @nsa_bwd.register_fake
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
-      o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None, causal_prefix=-1):
+      o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None, causal_prefix=-1,
+      dq_buffer_bytes=selected.DS_BUDGET):
     return tuple(_like(x) for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
 
 
 def _nsa_setup(ctx, inputs, output):
     (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc,
-     causal_prefix) = inputs
+     causal_prefix, dq_buffer_bytes) = inputs
     _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc,
                           lse_slc, o_win, lse_win, keys, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
-    ctx.causal_prefix = causal_prefix
+    ctx.causal_prefix, ctx.dq_buffer_bytes = causal_prefix, dq_buffer_bytes
     ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys)
     # The eight auxiliary outputs never receive gradients: without this, autograd would allocate a zero
     # gradient for each of them (three [B, T, HQ, Dv] tensors: +37% peak memory, measured on an H100).
@@ -229,10 +235,10 @@ def _nsa_setup(ctx, inputs, output):
 
 def _nsa_backward(ctx, dout, *_unused):
     if dout is None:  # the combined output was not used: nothing flows back
-        return (None,) * 15
+        return (None,) * 16
     *saved, doc_start = ctx.saved_tensors
-    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix)
-    return (*grads, None, None, None, None, None, None, None)
+    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix, ctx.dq_buffer_bytes)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
@@ -240,16 +246,19 @@ nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
 OPS = {"nsa_fwd": nsa_fwd, "nsa_bwd": nsa_bwd}
 
 
-def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None, causal_prefix: int = -1):
+def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None, causal_prefix: int = -1,
+                  dq_buffer_bytes: int = selected.DS_BUDGET):
     """Same contract as torch_impl.nsa_attention: (o [B,T,HQ,Dv], block_idx [B,HKV,T,n] int64, -1 unused).
 
     ``p`` is duck-typed: cmp_block (l), cmp_stride (d), slc_block (l'), slc_top_n (n), window (w).
     ``doc_start`` [B, T] (any integer dtype) or None: document masking (reference.py's rules).
     ``causal_prefix``: leading tokens whose selected branch runs as causal attention, -1 automatic (the same
     result either way; selected.causal_prefix says when it pays). Tests and A/B runs set it.
+    ``dq_buffer_bytes``: the backward's budget for the selected branch's stored dS or dQ partials, above which
+    dQ recomputes (the model's ``dq_buffer_gib``; default selected.DS_BUDGET, 2 GiB).
     """
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     out, block_idx, *_ = nsa_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p.cmp_block, p.cmp_stride,
-                                 p.slc_block, p.slc_top_n, p.window, doc_start, causal_prefix)
+                                 p.slc_block, p.slc_top_n, p.window, doc_start, causal_prefix, int(dq_buffer_bytes))
     return out, block_idx

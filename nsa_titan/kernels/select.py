@@ -142,7 +142,7 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
-    # tma: K_cmp's chunks through a descriptor (tma.py; off unless a cfg or TUNED asks: not yet timed).
+    # tma: K_cmp's chunks through a descriptor (tma.py; where TUNED says so: m7c and the 1b, attempt 70).
     launch_tma(_select_kernel, (triton.cdiv(T, bt), B * HKV),
                (q, k_cmp, lse, idx, lse if doc_start is None else doc_start, *q.stride()[:3], *k_cmp.stride()[:3], T,
                 TC, nb, G, HKV, DK**-0.5 * LOG2E),

@@ -122,7 +122,8 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
 # session (1 GiB before): the 1b at 64k (exactly 2 GiB) and m7c at 64k (1.6 GiB of partials) stop recomputing.
 # Profiled on one H200 (ab_profile_ds_budget2g_s16_H200.md): attention 1b 64k 1.047x, m7c 64k 1.330x; whole model
 # 1b 64k with full AC on an H100: 2.15x dense against 2.13x, and the same 48.0 GiB peak (it is in the loss's
-# backward, not here: memory_peak_1b_seq65536_acfull_nsa_vs_dense.md).
+# backward, not here: memory_peak_1b_seq65536_acfull_nsa_vs_dense.md). The default of the model's dq_buffer_gib, which
+# reaches _cfg as its ``budget``.
 DS_BUDGET = 2 << 30
 # B * T from which groups of <= 8 heads run the forward block-centric (_cfg). With 4 tiles per program it wins at
 # every size measured, the whole attention fwd+bwd on an H100 (blocks_threshold_H100.json): m7c batch 1 at 2k
@@ -131,13 +132,14 @@ DS_BUDGET = 2 << 30
 BLOCKS_MIN_TOKENS = 2048
 
 
-def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
+def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: int | None = None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
     the algorithm: for the forward 'token' (one program per token, this file) or 'blocks' (selected_blocks.py);
     for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, in the inputs' dtype or with
     partial_bits=32 in fp32, and a sum kernel adds them per token in fp32: for small groups whose head dim is at
     most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer
-    fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per token).
+    fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per token). ``budget``: those buffers' limit in
+    bytes instead of DS_BUDGET (the model's dq_buffer_gib).
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory
@@ -166,11 +168,12 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None) -> dict:
         # stride made its whole attention 3.8 % slower (ab_attention_sel_packing_*).
         c.update(exact_rows=dmax <= 64)
     if kernel == "sel_dq":
+        budget = DS_BUDGET if budget is None else budget
         per_value = q.shape[0] * q.shape[1] * q.shape[2] * n  # (token, head, slot) triples
-        if per_value * lp * q.element_size() <= DS_BUDGET:
+        if per_value * lp * q.element_size() <= budget:
             c.update(algo="ds")
         partials_bytes = per_value * q.shape[-1] * q.element_size()
-        if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and partials_bytes <= DS_BUDGET:
+        if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and partials_bytes <= budget:
             # dQ partials in the inputs' dtype: dS's bytes at head dim = l' (m7c); no K re-read through L2. H100,
             # whole NSA attention (ab_attention_pairs_dqpartials_*, ab_attention_bf16_partials_*): m7c 8k B=2
             # 4.11 -> 3.38 ms with fp32 partials, -> 3.07 in bf16 (the op's peak 0.65 -> 1.02 -> 0.65 GiB), 2k B=8

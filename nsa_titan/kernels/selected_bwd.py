@@ -175,57 +175,12 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
 
 
 @triton.jit
-def _walk_pair_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e, b, kv, blk, s_pos, sj, g, T, HKV,
-                   qk_scale, G: tl.constexpr, LP: tl.constexpr, NSEL: tl.constexpr, DKP: tl.constexpr,
-                   DVP: tl.constexpr, STORE_DS: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
-    """One pair (entry e of the block's list) of _walk_step_tma: its G heads as the rows of every MMA."""
-    key = tl.load(key_base + e)  # blk * T*n + t*n + slot
-    t = (key // NSEL - blk * T).to(tl.int32)
-    q = Q.load([b.to(tl.int32), t, kv * G, 0]).reshape(G, DKP)
-    do = DO.load([b.to(tl.int32), t, kv * G, 0]).reshape(G, DVP)
-    row = (b * T + t) * (HKV * G) + kv * G + g
-    lse = tl.load(LSE + row)
-    delta = tl.load(DELTA + row)
-    vis = sj <= tl.minimum(t - blk * LP, LP - 1)  # as in _walk_step, for the pair's one token
-    if MASK and DOC:
-        vis = vis & (s_pos >= tl.load(DS + b * T + t))
-    acc_k, acc_v, ds = _walk_math(q, do, lse, delta, k, v, acc_k, acc_v, vis[None, :], qk_scale, MASK)
-    if STORE_DS:
-        slot = key - (key // NSEL) * NSEL
-        DSB.store([((((b * HKV + kv) * T + t) * NSEL + slot) * G).to(tl.int32), 0], ds)
-    return acc_k, acc_v
-
-
-@triton.jit
-def _walk_step_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e0, hi, b, kv, blk, s_pos, sj, T, HKV,
-                   qk_scale, G: tl.constexpr, LP: tl.constexpr, NSEL: tl.constexpr, BT: tl.constexpr,
-                   DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr, DOC: tl.constexpr,
-                   MASK: tl.constexpr):
-    """_walk_step with a pair's Q and dO rows (and its stored dS) through tensor descriptors: Q, DO [B, T, HQ, D]
-    with [1, 1, G, D] boxes (a pair's G heads are one box), DSB [pairs * G, l'] with [G, l'] boxes. The BT pairs
-    run one after another, each as its G >= 16 rows, so the score MMAs are G rows tall (the pointer form stacks
-    the BT pairs into one tile). With one pair per step there is no branch in the loop body, so the compiler can
-    prefetch the next step's loads (offline sm_90, 1b shape: a branch around each pair kept them in place)."""
-    g = tl.arange(0, G)
-    if BT == 1:
-        acc_k, acc_v = _walk_pair_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e0, b, kv, blk, s_pos,
-                                      sj, g, T, HKV, qk_scale, G, LP, NSEL, DKP, DVP, STORE_DS, DOC, MASK)
-    else:
-        for j in tl.static_range(BT):
-            if e0 + j < hi:
-                acc_k, acc_v = _walk_pair_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e0 + j, b, kv,
-                                              blk, s_pos, sj, g, T, HKV, qk_scale, G, LP, NSEL, DKP, DVP, STORE_DS,
-                                              DOC, MASK)
-    return acc_k, acc_v
-
-
-@triton.jit
 def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, TMA: tl.constexpr):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -235,8 +190,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     second pass reading K through L2 (the dS path's dQ kernel).
     Each step takes BT pairs as ROWS >= BT * GS rows (row r: pair r // GS, head r % GS, rows with head >= G
     unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg).
-    MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop).
-    TMA: Q, DO (and DSB with STORE_DS) are descriptors, the steps _walk_step_tma's (G = GS >= 16, no STORE_DQ)."""
+    MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -265,23 +219,14 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
         own = (tl.load(key_base + j, mask=j < hi, other=0).to(tl.int64) < first_whole) & (j < hi)
         mid = tl.minimum(lo + tl.cdiv(tl.sum(own.to(tl.int32), 0), BT) * BT, hi)
     for e0 in range(lo, mid, BT):
-        if TMA:
-            acc_k, acc_v = _walk_step_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e0, hi, b, kv, blk,
-                                          s_pos, sj, T, HKV, qk_scale, G, LP, NSEL, BT, DKP, DVP, STORE_DS, DOC, True)
-        else:
-            acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv,
-                                      blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK,
-                                      DV, STORE_DS, STORE_DQ, DOC, True)
+        acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
+                                  s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
+                                  STORE_DS, STORE_DQ, DOC, True)
     if MASK_SPLIT and LP == BS and not DOC:  # off: one loop, the kernel as before the split (registers: 248 vs 254)
         for e0 in range(mid, hi, BT):
-            if TMA:
-                acc_k, acc_v = _walk_step_tma(Q, DO, LSE, DELTA, DSB, DS, key_base, k, v, acc_k, acc_v, e0, hi, b, kv,
-                                              blk, s_pos, sj, T, HKV, qk_scale, G, LP, NSEL, BT, DKP, DVP, STORE_DS,
-                                              DOC, False)
-            else:
-                acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b,
-                                          kv, blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT,
-                                          GS, DK, DV, STORE_DS, STORE_DQ, DOC, False)
+            acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv,
+                                      blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK,
+                                      DV, STORE_DS, STORE_DQ, DOC, False)
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     alive = (sj * 0 + live) > 0
@@ -325,9 +270,11 @@ def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.conste
 
 
 def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
-            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None):
+            cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None,
+            dq_buffer_bytes: int | None = None):
     """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band_bwd.band_bwd; ``keys``: the forward's
-    sorted pair keys (sel_fwd with_pairs), or None to sort here."""
+    sorted pair keys (sel_fwd with_pairs), or None to sort here; ``dq_buffer_bytes``: the budget for stored dS /
+    dQ partials (None: selected.DS_BUDGET; see selected._cfg)."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
@@ -337,7 +284,7 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         delta = rowdot(do, o)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype) if dq_acc is None else dq_acc
-    lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq)
+    lq = _cfg("sel_dq", q, v, G, n, slc_block, cfg_dq, dq_buffer_bytes)
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     algo = lq.get("algo", "recompute")
     if algo == "recompute":
@@ -369,19 +316,11 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
         dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
-    # Descriptor loads of a pair's Q / dO rows (and dS stores) where a pair's G heads fill an MMA tile alone.
-    walk_specs = {0: (q, list(q.shape), list(q.stride()), [1, 1, G, DK]),
-                  3: (do, list(do.shape), list(do.stride()), [1, 1, G, DV])}
-    if algo == "ds":
-        walk_specs[15] = (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [G, slc_block])
-    launch_tma(_sel_bwd_dkdv, (prog.shape[1], B * HKV),
-               (q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-                HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5), walk_specs,
-               lc.get("tma", False) and gs == G == pow2(G) >= 16 and algo != "partials" and bs == slc_block
-               and DK == dkp and DV == c["DVP"],
-               dict(BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds", STORE_DQ=algo == "partials",
-                    DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
-                    num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
+    _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
+        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G, HKV,
+        prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
+        STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
+        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
                                               DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)

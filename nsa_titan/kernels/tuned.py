@@ -60,7 +60,15 @@ TUNED: dict[tuple, dict] = {
     # with 64 rows, 0.138 with 128; it had its own 64-row entry while the map ran as a tf32 dot). m7c (G 6, head
     # dim 64) at 32k: 256 rows / 8 warps 0.923 ms against 0.99-1.04 for the default in the same sweep; at 8k all
     # within noise, 0.1945 vs 0.1939-0.1966 (sweep_selected_select_32k_*, sweep_selected_float64ref_*).
-    ("select", 8, 64, False): dict(rows=256, num_warps=8),
+    # Since attempt 70 (seventeenth session) K_cmp's chunks come through a descriptor, and the default shape with it
+    # is best for both (sweep_selected_select_tma_s17_*, batch 2): m7c 8k 0.1929 (256 rows / 8 warps, pointers) ->
+    # 0.1815 ms, 32k 1.750 -> 1.733 (256 / 8 / 2 stages with descriptors 1.710, but 0.195 at 8k); the 1b 8k 0.1676
+    # -> 0.168, 32k 1.612 -> 1.579. Profiled against the parent (ab_profile_select_tma_s17_*, 2 rounds):
+    # `_select_kernel` m7c 0.148 -> 0.139 ms at 8k batch 2, 0.091 -> 0.075 at batch 1, 1.633 -> 1.603 at 32k batch
+    # 2, 0.872 -> 0.842 at batch 1; the 1b 0.849 -> 0.832 at 32k batch 1 (attention totals within +-3 %: noise).
+    # The paper config (same G 16 key) unmeasured.
+    ("select", 8, 64, False): dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
+    ("select", 16, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
     # 1.931 ms (sweep_selected_prefetch_*). mask_split (the walk's steps past a block's own tokens without the causal

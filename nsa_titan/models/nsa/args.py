@@ -65,6 +65,13 @@ class NSAModelArgs:
     TRITON_INTERPRET=1 for tests); 'reference': the dense plain-PyTorch spec (slow, O(T^2) memory)."""
     attn_type: Literal["nsa", "dense"] = "nsa"
     """'nsa': native sparse attention; 'dense': plain causal attention (for comparisons)."""
+    dq_buffer_gib: float = 2.0
+    """Triton kernels only: the most transient memory (GiB) one attention layer's backward may hold so that the
+    selected branch's dQ is one matmul from stored values (its dS, B*T*HQ*n*l'*2 bytes: 2 GiB for the 1b at 64k
+    tokens per step, 4 GiB for the paper config at 32k; or, for groups of <= 8 heads at head dim <= l', per-slot
+    dQ partials of the same size) instead of recomputing the scores per token. Larger is faster where it makes
+    the buffer fit (H100, paper config 32k batch 2, the whole selected backward: 26.6 ms stored vs 31.9 ms
+    recomputed); smaller saves that memory at the backward's peak."""
 
     @property
     def n_rep(self) -> int:

@@ -54,11 +54,6 @@ def resolve_attn_impl(name: str, device: torch.device) -> str:
     return name
 
 
-def resolve_impl(name: str, device: torch.device):
-    """The attention function that runs for ``name`` on ``device`` (see ``resolve_attn_impl``)."""
-    return NSA_IMPLS[resolve_attn_impl(name, device)]
-
-
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables in the layout ``apply_rope`` consumes (fp32): cos [T, 1, 1, D/2] and the signed sine
     [T, 1, 2, D/2] = (-sin, +sin). Slicing dim 0 selects positions; nothing else reads them."""
@@ -141,6 +136,7 @@ class NSAAttention(nn.Module):
         self.n_kv_sets = 1 if args.shared_kv else 3
         self.params = NSAParams.from_args(args)
         self.impl_name = args.attn_impl
+        self.dq_buffer_bytes = int(args.dq_buffer_gib * 2**30)  # the Triton backward's budget (NSAModelArgs)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         # One fused projection for all branches' K and V: one matmul instead of six.
         self.wkv = nn.Linear(args.dim, self.n_kv_sets * args.n_kv_heads * (args.head_dim + args.dv), bias=False)
@@ -182,8 +178,9 @@ class NSAAttention(nn.Module):
             cmp = compress_pair(self.compress_k, self.compress_v, raw[0], raw[1])
             # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device
             # type is static, so under torch.compile this runs once, at trace time.
-            impl = resolve_impl(self.impl_name, q.device)
-            out, blocks = impl(q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start)
+            name = resolve_attn_impl(self.impl_name, q.device)
+            kernel_args = {"dq_buffer_bytes": self.dq_buffer_bytes} if name == "triton" else {}
+            out, blocks = NSA_IMPLS[name](q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start, **kernel_args)
             if cache is not None:
                 cache.fill(raw, slc, win, cmp)
             diag = self.diagnostics
