@@ -78,7 +78,18 @@ def sweep_parser(configs: str) -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tag", default="", help="file name suffix, e.g. _blocks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--variants", default="",
+                    help="indices into each kernel's variant list to time (default all); the first is the reference")
     return ap
+
+
+def picked_variants(ap: argparse.ArgumentParser, a: argparse.Namespace, variants: dict, kernels) -> list[int] | None:
+    """A sweep's --variants as indices (None: all), each checked against every swept kernel's list."""
+    pick = [int(i) for i in a.variants.split(",")] if a.variants else None
+    for k in kernels:
+        if bad := [i for i in pick or [] if not 0 <= i < len(variants[k])]:
+            ap.error(f"--variants {bad} out of range for {k}: it has {len(variants[k])} variants (0-based)")
+    return pick
 
 
 def run_sweep(kind: str, a: argparse.Namespace, case_fn) -> None:

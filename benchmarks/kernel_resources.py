@@ -104,7 +104,8 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict, hkv: int = 1) 
         elif tma:
             pointers.update(K=f"tensordesc<bf16[1,{cfg['BK']},1,{D}]>", V=f"tensordesc<bf16[1,{cfg['BK']},1,{D}]>")
         consts = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=win, ROWS=cfg["rows"], BK=cfg["BK"], DK=D, DV=D, DKP=D,
-                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True, TMA=tma)
+                      DVP=D, DOC=False, SPLIT=bool(cfg.get("split", True)), ACC=True, TMA=tma,
+                      KT=bool(cfg.get("keys_rows", False)))  # band_dkdv's orientation (band_bwd._dkdv_launch)
     res = compile_kernel(fn, consts, pointers, cfg["num_warps"], cfg["num_stages"])
     return dict(kernel=kernel, D=D, G=G, geometry=geo, cfg=cfg, **res)
 

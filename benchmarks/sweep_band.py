@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import make_inputs, run_sweep, sweep_parser, time_variants  # noqa: E402
+from attention_checks import make_inputs, picked_variants, run_sweep, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
 from nsa_titan.kernels import band, band_bwd  # noqa: E402
@@ -40,18 +40,26 @@ VARIANTS = {  # first: the default; then without the mask-free interior; then (f
     "band_dkdv": [{}, {"split": False}, _v(64, 64, 4, 2), _v(32, 128, 4, 2), _v(64, 128, 8, 2), _v(128, 64, 8, 2),
                   _v(64, 64, 8, 2), _v(64, 32, 4, 3), _v(128, 128, 8, 1), _v(64, 64, 4, 3),
                   # no register spills at head dim 128 (kernel_resources.py, notes attempt 19)
-                  dict(_v(128, 64, 8, 2), split=False)],
+                  dict(_v(128, 64, 8, 2), split=False),
+                  # the keys as the MMA rows (band_bwd KT, attempt 72; TUNED's G 16 default since, which the shapes
+                  # above inherit unless they say keys_rows=False): no register tile transposed before the dV and dK
+                  # MMAs. Offline sm_90, 1b compressed: 64/64/4/3 255 registers, 16 B of stack, 132 KB of shared memory
+                  # (140 KB without); 64 rows / 128 keys / 8 warps (a warpgroup per 64 keys) 64 B of stack against 424
+                  dict(keys_rows=True), dict(keys_rows=True, **_v(64, 128, 8, 2)),
+                  dict(keys_rows=True, **_v(64, 64, 4, 2)), dict(keys_rows=True, **_v(128, 64, 8, 2)),
+                  dict(keys_rows=True, **_v(64, 128, 8, 3)), dict(keys_rows=True, **_v(32, 128, 8, 2))],
 }
 
 
 def _label(c: dict) -> str:
     masked = ("/masked" if c.get("split", True) is False else "") + ("/pointers" if c.get("tma", True) is False else "")
-    if set(c) <= {"split", "tma"}:
-        return "default" + masked
-    return f"{c['rows']}/{c['BK']}/{c['num_warps']}/{c['num_stages']}" + masked
+    kt = "kt:" if c.get("keys_rows") else ""  # band_bwd's dK/dV with the keys as MMA rows
+    if set(c) <= {"split", "tma", "keys_rows"}:
+        return kt + "default" + masked
+    return kt + f"{c['rows']}/{c['BK']}/{c['num_warps']}/{c['num_stages']}" + masked
 
 
-def case(name: str, T: int, B: int, kernels=tuple(VARIANTS)) -> dict:
+def case(name: str, T: int, B: int, kernels=tuple(VARIANTS), pick: list[int] | None = None) -> dict:
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
@@ -71,7 +79,8 @@ def case(name: str, T: int, B: int, kernels=tuple(VARIANTS)) -> dict:
         for kname, fn in jobs.items():
             if kname not in kernels:
                 continue
-            res, best = time_variants(fn, VARIANTS[kname], fn({}), label=_label)
+            variants = [VARIANTS[kname][i] for i in pick] if pick else VARIANTS[kname]
+            res, best = time_variants(fn, variants, fn({}), label=_label)
             out[f"{geo_name}:{kname}"] = res
             print(f"{name} T={T} B={B} {geo_name} {kname}: "
                   + ", ".join(f"{r['label']}={r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}" for r in res)
@@ -86,7 +95,8 @@ def main():
     kernels = tuple(a.kernels.split(","))
     if unknown := set(kernels) - set(VARIANTS):
         ap.error(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    run_sweep("sweep_band", a, lambda name, T: case(name, T, a.batch, kernels))
+    pick = picked_variants(ap, a, VARIANTS, kernels)
+    run_sweep("sweep_band", a, lambda name, T: case(name, T, a.batch, kernels, pick))
 
 
 if __name__ == "__main__":

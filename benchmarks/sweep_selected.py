@@ -20,7 +20,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_checks import float64_selection, make_inputs, run_sweep, same_rows, sweep_parser, time_variants  # noqa: E402
+from attention_checks import (  # noqa: E402
+    float64_selection,
+    make_inputs,
+    picked_variants,
+    run_sweep,
+    same_rows,
+    sweep_parser,
+    time_variants,
+)
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 from selection_overlap import TILES, union_ratio  # noqa: E402
 
@@ -143,14 +151,8 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
 def main():
     ap = sweep_parser("paper,1b,m7c,qwen7b")
     ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    ap.add_argument("--variants", default="",
-                    help="indices into each kernel's VARIANTS to time (default all); the first is the reference")
     a = ap.parse_args()
-    pick = [int(i) for i in a.variants.split(",")] if a.variants else None
-    for k in a.kernels.split(","):
-        bad = [i for i in pick or [] if not 0 <= i < len(VARIANTS[k])]
-        if bad:
-            ap.error(f"--variants {bad} out of range for {k}: it has {len(VARIANTS[k])} variants (0-based)")
+    pick = picked_variants(ap, a, VARIANTS, a.kernels.split(","))
     run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(","), pick))
 
 

@@ -518,12 +518,13 @@ def _naive_band(q, k, v, do, kstride, koff, win, ds):
 
 
 def _band_split_check(device):
-    """The band kernels' mask-free interior tiles (band.py SPLIT) against the all-masked loop: forward, dQ and
-    dK/dV of the compressed and the window geometry, two KV heads of G = 3 (tiles of 16 rows hold 5 1/3 tokens:
-    a token's heads straddle two tiles) and with documents. Tiles of 16 keys over T = 100 give every loop masked and
-    unmasked parts (the whole-attention cases above use tiles of 64 keys, where the interior part is mostly
-    empty). The interior tiles are those whose mask is all true, so both paths must agree to the bit; any
-    tolerance only covers a future reordering. Both are also held to a float64 band attention (``naive``)."""
+    """The band kernels' mask-free interior tiles (band.py SPLIT) against the all-masked loop, and the dK/dV with the
+    keys as MMA rows (band_bwd KT) against the default orientation: forward, dQ and dK/dV of the compressed and the
+    window geometry, two KV heads of G = 3 (tiles of 16 rows hold 5 1/3 tokens: a token's heads straddle two tiles)
+    and with documents. Tiles of 16 keys over T = 100 give every loop masked and unmasked parts (the whole-attention
+    cases above use tiles of 64 keys, where the interior part is mostly empty). The interior tiles are those whose
+    mask is all true, and the transposed scores are the same sums, so all paths must agree to the bit; any tolerance
+    only covers a future reordering. All are also held to a float64 band attention (``naive``)."""
     import torch
 
     from nsa_titan.kernels import band, band_bwd
@@ -538,14 +539,16 @@ def _band_split_check(device):
         q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
                        [(B, T, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, T, HQ, D)])
         outs, want = [], _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
-        for split in (False, True):
+        # The third: dK/dV with the keys as the MMA rows (band_bwd KT: the same sums, transposed).
+        for split, keys_rows in ((False, False), (True, False), (True, True)):
             cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, split=split)
             o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
-            grads = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg, doc_start=ds)
+            grads = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg,
+                                      cfg_dkdv=dict(cfg, keys_rows=keys_rows), doc_start=ds)
             fin = torch.isfinite(lse)
             outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
             naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([o, *grads], want)))
-        worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
+        worst[name] = max(rel_err(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
     # The interpreter runs both loop bodies op for op: equal to the bit (1e-5 leaves room for a reordering). On
     # a GPU the fp32 dots run as tf32 and the two bodies compile to different instruction orders (3e-5 to 7e-5
     # seen on an H100): the fp32 bound of the cases above.

@@ -100,6 +100,27 @@ def test_band_bwd_refuses_an_unknown_part_before_launching():
 
 
 
+def test_band_dkdv_takes_its_few_tiles_shape_only_for_small_grids_and_never_over_an_explicit_cfg(monkeypatch):
+    """TUNED's G 16 dK/dV shape (128-key tiles, keys as MMA rows) gives the 1b's 8k window at batch 1 only 64
+    programs for 132 SMs, where the older 64-key shape ran faster: band_bwd._dkdv_launch takes the entry's
+    ``few_tiles`` shape below half the SMs, the tuned one at or above, and an explicit cfg (a sweep) as it is."""
+    from types import SimpleNamespace
+
+    from nsa_titan.kernels import band_bwd
+
+    monkeypatch.setattr(band_bwd, "sm_count", lambda index: 132)
+    gpu = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))  # only its device is read
+
+    def shape(batch, cfg=None, window=512, S=8192):
+        rows, bk, _, _, kt, nsplit = band_bwd._dkdv_launch(16, 128, window, gpu, cfg, S, 8192, batch, 1)
+        return bk, kt, nsplit
+
+    assert shape(1) == (64, False, 1)  # 64 tiles of 128 keys: 64 programs < 66
+    assert shape(2) == (128, True, 1)  # 128 programs
+    assert shape(1, dict(rows=64, BK=128, num_warps=8, num_stages=3)) == (128, True, 1)  # explicit: inherits KT
+    assert shape(1, window=0, S=511)[:2] == (128, True)  # compressed keys: split over queries, enough programs
+
+
 def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_does_not_compile(monkeypatch):
     """ptxas crashed on some descriptor-form launch shapes (H100, Triton 3.6): such a shape must still run, with
     pointer loads, warn once, and not be compiled again in the descriptor form; other shapes keep descriptors."""

@@ -19,6 +19,7 @@ from nsa_titan.kernels.band import (
     _scores,
     _tile_keys,
     _visible,
+    launch_cfg,
     sm_count,
 )
 from nsa_titan.kernels.combine import add_splits, pow2, rowdot
@@ -58,9 +59,10 @@ def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_
 def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
                acc_k, acc_v, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
                ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-               DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+               DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, KT: tl.constexpr):
     """One query tile (packed rows [r0, r0 + ROWS), those < hi valid) contribution to a key tile's dK/dV. With TMA
-    the rows past hi hold other tokens' Q and dO (or zeros past the end): their LSE of +inf zeroes them below."""
+    the rows past hi hold other tokens' Q and dO (or zeros past the end): their LSE of +inf zeroes them below. KT:
+    the scores as [keys, rows] (no transposes of register tiles before the dV and dK MMAs)."""
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     t, h, row_ok = _rows(r0, kv, hi, G, ROWS)
     if TMA:
@@ -73,6 +75,18 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
         do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    if KT:  # keys as the MMA rows: S^T = K Q^T, so P^T and dS^T are the register operands of dV and dK's MMAs
+        st = tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :]
+        if MASK:
+            st = tl.where(tl.trans(_visible(t, pos, kmask, WIN)) & row_ok[None, :], st, float("-inf"))
+        if DOC:
+            dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
+            st = tl.where((i * KSTRIDE)[:, None] >= dst[None, :], st, float("-inf"))
+        pt = tl.exp2(st)
+        acc_v += tl.dot(pt.to(do.dtype), do)
+        dsc_t = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        acc_k += tl.dot(dsc_t.to(q.dtype), q)
+        return acc_k, acc_v
     s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
     if MASK:
         s = tl.where(_visible(t, pos, kmask, WIN) & row_ok[:, None], s, float("-inf"))  # before exp2
@@ -136,7 +150,7 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, KT: tl.constexpr):
     """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]. With
     TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive)."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -163,13 +177,16 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                                ROWS, SPLIT)
     for r0 in range(lo, m1, ROWS):
         acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA)
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA,
+                                  KT)
     for r0 in range(m1, m2, ROWS):
         acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False, TMA)
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False, TMA,
+                                  KT)
     for r0 in range(m2, hi, ROWS):
         acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA)
+                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA,
+                                  KT)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
@@ -197,6 +214,24 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
         return 2 if T >= 32 else 1
     want = max(min(8, triton.cdiv(T, 4096)), triton.cdiv(4 * sm_count(device.index or 0), max(tiles, 1)))
     return max(1, min(want, 32, triton.cdiv(T, 256)))
+
+
+def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | None, S: int, tq: int, B: int,
+                 HKV: int) -> tuple:
+    """-> (rows, BK, launch kwargs, tma, KT, nsplit) of the dK/dV kernel. KT (the keys as the MMA rows) is the launch
+    config's ``keys_rows``. TUNED may name a ``few_tiles`` shape for grids of fewer programs than half the SMs (its G
+    16 entries: their 128-key tiles leave the 1b's 8k window at batch 1 with 64 programs, where 64-key tiles run
+    faster); an explicit cfg (a sweep) is taken as it is."""
+    cuda = q.device.type == "cuda"
+    c = dict(launch_cfg("band_dkdv", pow2(G), dmax, window > 0, cuda), **(cfg or {}))
+    rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
+    nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
+    few = cuda and triton.cdiv(S, bk) * B * HKV * nsplit < sm_count(q.device.index or 0) // 2
+    if not cfg and "few_tiles" in c and few:
+        c = {**c, **c["few_tiles"]}
+        rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
+        nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
+    return rows, bk, kw, tma, bool(c.get("keys_rows", False)), nsplit
 
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
@@ -231,14 +266,14 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
                     kv_specs(k, v, bk), tma, dict(ROWS=rows, BK=bk, **dims, ACC=dq_acc is not None, **kw))
     if parts == "dq":
         return dq, None, None
-    rows, bk, kw, tma = _launch("band_dkdv", G, max(DK, DV), window > 0, q, cfg_dkdv)
-    nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
+    rows, bk, kw, tma, kt, nsplit = _dkdv_launch(G, max(DK, DV), window, q, cfg_dkdv, S, tq, B, HKV)
     dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
     dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-                     nsplit), _rows_specs(q, do, rows, HKV), tma, dict(ROWS=rows, BK=bk, **dims, **kw))
+                     nsplit), _rows_specs(q, do, rows, HKV), tma,
+                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **kw))
     if dkv_acc is not None:
         dk, dv = dkv_acc
         add_splits(dkp, dk)

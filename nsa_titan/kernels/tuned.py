@@ -25,9 +25,19 @@ TUNED: dict[tuple, dict] = {
     # -> 0.789 ms at 8k, 5.01 -> 5.26 at 32k).
     # Compressed dK/dV for G 16 with 3 stages since the fifteenth session (loads through descriptors since attempt
     # 61; sweep_band_dkdv_s15_*): 1b batch 2, 8k 0.544 -> 0.527 ms, 32k 5.34 -> 5.19.
-    ("band_dkdv", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3, split=False),
+    # Both G 16 dK/dV with the keys as the MMA rows (band_bwd KT, attempt 72) over 128-key tiles, a warpgroup per 64
+    # keys, since the seventeenth session. H100, whole band backward, batch 2 (sweep_band_kt_s17_*), compressed /
+    # window: 1b 8k 0.532 -> 0.530 / 0.730 -> 0.682 ms, 32k 5.17 -> 4.56 / 2.83 -> 2.67; paper 8k 1.95 -> 1.86 /
+    # 2.91 -> 2.73, 32k 20.5 -> 19.1 / 11.8 -> 11.6. Not for qwen7b (G 8 key) or m7c: slower at every shape there.
+    # Profiled against the parent (ab_profile_band_kt_s17_*, 2 rounds): both band dK/dV 5.05 -> 4.30 ms at 1b 32k
+    # batch 2 (attention 1.031x), 2.59 -> 2.22 at batch 1 (1.030x), paper 8k 1.38 -> 1.30 (1.014x), 32k 10.37 -> 9.77
+    # (1.019x); but 0.377 -> 0.523 at 1b 8k batch 1, whose window has 64 key tiles of 128 for 132 SMs: there
+    # (band_bwd._dkdv_launch's few_tiles, fewer programs than half the SMs) the shape before.
+    ("band_dkdv", 16, 128, False): dict(rows=64, BK=128, num_warps=8, num_stages=3, split=False, keys_rows=True,
+                                        few_tiles=dict(rows=64, BK=64, num_warps=4, num_stages=3, keys_rows=False)),
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False),
-    ("band_dkdv", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    ("band_dkdv", 16, 128, True): dict(rows=64, BK=128, num_warps=8, num_stages=3, keys_rows=True,
+                                       few_tiles=dict(rows=64, BK=64, num_warps=4, num_stages=3, keys_rows=False)),
     ("band_dkdv", 8, 128, True): dict(rows=128, BK=64, num_warps=8, num_stages=2),
     # qwen7b (G 7, head dim 128), both band forwards at 64 rows / 4 warps / 3 stages as for G 16 (fifteenth session,
     # sweep_band_fwddq_s15_*, batch 2; 128 rows / 8 warps before): compressed 8k 0.276 -> 0.231 ms, 32k 2.33 -> 2.19;
