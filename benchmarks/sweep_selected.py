@@ -84,6 +84,8 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                  # G 16 (the 1b, the paper config): the tuned pointer walk and one pair per step. (Each pair's Q / dO
                  # and dS through descriptors, one 16-row pair per MMA, attempt 69, lost: 1b 8k 2.20-3.55 ms
                  # against 1.56, sweep_selected_walk_tma_s17_*; the code is in 42761be.)
+                 # (The walk with the keys as MMA rows, band_bwd's KT, attempt 73, lost at every shape and config:
+                 # sweep_selected_walk_kt*_s17_*; not kept.)
                  dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
                  dict(rows=16, num_warps=4, num_stages=2, mask_split=True)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
