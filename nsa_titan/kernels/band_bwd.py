@@ -86,18 +86,18 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
         acc_v += tl.dot(pt.to(do.dtype), do)
         dsc_t = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         acc_k += tl.dot(dsc_t.to(q.dtype), q)
-        return acc_k, acc_v
-    s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
-    if MASK:
-        s = tl.where(_visible(t, pos, kmask, WIN) & row_ok[:, None], s, float("-inf"))  # before exp2
-    if DOC:
-        dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
-        s = tl.where((i * KSTRIDE)[None, :] >= dst[:, None], s, float("-inf"))
-    p = tl.exp2(s)
-    acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
-    dp = tl.dot(do, tl.trans(v))
-    dsc = p * (dp - delta[:, None])
-    acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
+        if MASK:
+            s = tl.where(_visible(t, pos, kmask, WIN) & row_ok[:, None], s, float("-inf"))  # before exp2
+        if DOC:
+            dst = tl.load(DS + b * T + t, mask=row_ok, other=0)
+            s = tl.where((i * KSTRIDE)[None, :] >= dst[:, None], s, float("-inf"))
+        p = tl.exp2(s)
+        acc_v += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        dsc = p * (dp - delta[:, None])
+        acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
     return acc_k, acc_v
 
 
