@@ -50,7 +50,15 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                 dict(algo="blocks", rows=64, num_warps=4, num_stages=2),
                 dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
                 dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
-                dict(algo="blocks", rows=32, num_warps=4, num_stages=1)],
+                dict(algo="blocks", rows=32, num_warps=4, num_stages=1),
+                # two neighbouring tokens per program over their blocks' union (selected._sel_fwd_pair, attempt 74:
+                # ~0.73x the K/V bytes of one token per program on random selections, 1.46x the MMA rows). Offline
+                # sm_90, 1b shape, descriptors: 246 / 193 / 147 registers at 2 / 4 / 8 warps, no spills
+                dict(algo="pairs", tma=True, num_warps=2, num_stages=2),
+                dict(algo="pairs", tma=True, num_warps=2, num_stages=3),
+                dict(algo="pairs", tma=True, num_warps=4, num_stages=2),
+                dict(algo="pairs", tma=True, num_warps=4, num_stages=3),
+                dict(algo="pairs", tma=True, num_warps=8, num_stages=2)],
     # dQ = dS K from the dS the dK/dV walk stores ('ds', the default when its buffer fits selected.DS_BUDGET),
     # or recomputed per token; each timed as the whole selected backward
     # (2 warps with pointer loads, ds and recompute, lost at 1b and paper 8k / 32k: sweep_selected_dq_w2_s16_*.)

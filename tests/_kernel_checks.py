@@ -357,6 +357,37 @@ def _sel_tma_check(device):
             "unequal_one_block": unequal_one_block}
 
 
+def _sel_pairs_check(device):
+    """The token forward for two neighbouring tokens over their blocks' union (selected._sel_fwd_pair, attempt 74)
+    against one token per program, every case (odd T: the last pair has one token; documents; fp16), with pointer
+    loads and with descriptors: the same keys per row, t1's blocks in another order, so a float bound. The
+    descriptor form may not fall back (launch_tma's warning is an error here) where the head dims allow it."""
+    import torch
+
+    from nsa_titan.kernels import selected, tma
+
+    worst, ran = {}, 0
+    with _no_descriptor_fallback():
+        for case in CASES + DOC_CASES:
+            if (x := _sel_inputs(case, device)) is None:
+                continue
+            lp = x["p"].slc_block
+            boxes = all(tma.descriptor(*sp) is not None for sp in tma.kv_specs(x["ks"], x["vs"], 16).values())
+            ref = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], lp, cfg=dict(algo="token", NPI=1),
+                                   doc_start=x["doc"])
+            for use in (False, True) if boxes else (False,):
+                o, lse = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], lp,
+                                          cfg=dict(algo="pairs", tma=use), doc_start=x["doc"])
+                fin = torch.isfinite(ref[1])
+                ran += 1
+                worst[case[0], use] = max(rel_err(o, ref[0]), rel_err(torch.where(fin, lse, 0.0),
+                                                                      torch.where(fin, ref[1], 0.0)),
+                                          float((torch.isfinite(lse) != fin).any()))
+    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES}
+    return {"ok": ran >= len(CASES) + len(DOC_CASES) and all(w < bound[k[0]] for k, w in worst.items()),
+            "ran": ran, "worst": {f"{k[0]}{'_tma' if k[1] else ''}": w for k, w in worst.items()}}
+
+
 # dQ from stored dS through descriptors needs l' >= 16 (a slot's dS rows are one box's width). A group of 16 fills
 # the 16-row box exactly (the 1b's and the paper config's shape), a smaller one reads the next slots' rows too
 # (qwen7b's G 7); of the cases above only g3_hkv2_lp16 qualifies, so two G 16 cases (one with documents) join it.
@@ -649,7 +680,7 @@ def _decode_fused_check(device):
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check),
-          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check),
+          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_pairs", _sel_pairs_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
           ("select_tma", _select_tma_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),

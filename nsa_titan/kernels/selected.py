@@ -116,6 +116,81 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
     tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
 
 
+@triton.jit
+def _pair_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, svh, m_i, l_i, acc, qk_scale, T,
+                LP: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                DVP: tl.constexpr, TMA: tl.constexpr):
+    """One selected block (blk >= 0) against a token pair's rows: row i sees key s when s <= tok[i], s >= s_min[i]
+    and live[i] (its token selected the block). Keys past T are loaded as zeros (a hidden key's V still meets P = 0
+    in the MMA, and 0 * NaN would poison the row)."""
+    r = tl.arange(0, BS)
+    s_pos = blk * LP + r
+    if TMA:
+        k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
+        v = V.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DVP)
+    else:
+        k, v = load_kv_rows(K, V, b, kv, s_pos, (r < LP) & (s_pos < T), skb, sks, skh, svb, svs, svh, DK, DV, DKP,
+                            DVP)
+    vis = ((r < LP)[None, :] & (s_pos[None, :] <= tok[:, None]) & (s_pos[None, :] >= s_min[:, None])
+           & live[:, None])
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    return online_softmax(tl.where(vis, s, float("-inf")), v, m_i, l_i, acc)
+
+
+@triton.jit
+def _sel_fwd_pair(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+                  T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
+                  GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                  DOC: tl.constexpr, TMA: tl.constexpr):
+    """The token forward for two neighbouring tokens at once (attempt 74): t0 = 2 * program and t1 = t0 + 1, their
+    G heads as the two halves of one [2 GR, D] tile, walking the union of their selected blocks so that a block both
+    chose is loaded once (neighbours share about half their blocks: |union| / n ~ 1.5 for two tokens). First t0's
+    used slots, t1's rows joining where t1 chose the block too; then t1's blocks that t0 did not choose, t0's rows
+    masked. Same sums per row as _sel_fwd, t1's blocks in another order (rounding only)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t0 = 2 * pid
+    rr = tl.arange(0, 2 * GR)
+    second = rr >= GR
+    tok = t0 + second.to(tl.int32)
+    g = rr % GR
+    row_ok = (g < G) & (tok < T)
+    h = kv * G + g
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q = tl.load(Q + b * sqb + tok[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    s_min = tok * 0
+    if DOC:
+        s_min = tl.load(DS + b * T + tok, mask=row_ok, other=0)
+    j = tl.arange(0, NP)
+    base0 = ((b * HKV + kv) * T + t0) * NSEL
+    i0 = tl.load(IDX + base0 + j, mask=j < NSEL, other=-1).to(tl.int32)
+    # (masks from vectors only: the interpreter mis-types bool scalars)
+    i1 = tl.load(IDX + base0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
+    n0 = tl.sum((i0 >= 0).to(tl.int32), 0)  # used slots come first (select.py sorts them before the unused)
+    m_i = tl.full([2 * GR], -1e30, tl.float32)
+    l_i = tl.zeros([2 * GR], tl.float32)
+    acc = tl.zeros([2 * GR, DVP], tl.float32)
+    for s in range(0, n0):
+        blk = tl.load(IDX + base0 + s).to(tl.int32)
+        both = rr * 0 + tl.sum((i1 == blk).to(tl.int32), 0)  # t1 chose it too (> 0)
+        m_i, l_i, acc = _pair_block(q, K, V, blk, tok, s_min, row_ok & (~second | (both > 0)), b, kv, skb, sks, skh,
+                                    svb, svs, svh, m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
+    # t1's blocks that t0 did not choose, first in ascending order (the rest pushed past them)
+    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
+    order = tl.sort(tl.where(extra, i1, 1 << 30))
+    for e in range(0, tl.sum(extra.to(tl.int32), 0)):
+        blk = tl.sum(tl.where(j == e, order, 0), 0).to(tl.int32)
+        m_i, l_i, acc = _pair_block(q, K, V, blk, tok, s_min, row_ok & second, b, kv, skb, sks, skh, svb, svs, svh,
+                                    m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
+    ok = l_i > 0
+    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * sob + tok[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
+    tl.store(LSE + (b * T + tok) * (HKV * G) + h, lse, mask=row_ok)
+
+
 # dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
 # head and token: 8x dQ's size at l' = 64, n = 16, head dim 128); the dQ partials of small groups the same size at
 # head dim 64. Above this size dQ recomputes instead (paper config at 64k: 8 GiB of dS). 2 GiB since the sixteenth
@@ -216,6 +291,14 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
         return (o, lse, keys) if with_pairs else (o, lse)
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    if lc.get("algo") == "pairs":  # two neighbouring tokens per program over their blocks' union (_sel_fwd_pair)
+        launch_tma(_sel_fwd_pair, (triton.cdiv(T, 2), B * HKV),
+                   (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
+                    *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
+                   kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=max(16, pow2(G)), NP=pow2(c["NSEL"]), **c,
+                                                            DOC=doc_start is not None, num_warps=lc["num_warps"],
+                                                            num_stages=lc["num_stages"]))
+        return (o, lse, None) if with_pairs else (o, lse)
     launch_tma(_sel_fwd, (T, B * HKV), (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start,
                                         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G,
                                         HKV, DK**-0.5 * LOG2E),
