@@ -173,6 +173,17 @@ def online_softmax(s, v, m_i, l_i, acc):
 
 
 @triton.jit
+def finish_softmax(O, LSE, acc, m_i, l_i, o_rows, lse_rows, row_ok, DV: tl.constexpr, DVP: tl.constexpr):
+    """The forwards' epilogue: O = acc / l (0 where a row saw no key), LSE = m + log2(l) (+inf there); o_rows and
+    lse_rows are each row's offsets into O and LSE."""
+    dv = tl.arange(0, DVP)
+    ok = l_i > 0
+    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + o_rows[:, None] + dv[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + lse_rows, tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf")), mask=row_ok)
+
+
+@triton.jit
 def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
               T, TQ, S, HKV, qk_scale, G: tl.constexpr,
               KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
@@ -182,7 +193,7 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    dk = tl.arange(0, DKP)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     ds, i_start, i_end, m1, m2 = _tile_keys(DS, pid_m, b, t, row_ok, T, TQ, S, G, ROWS, KSTRIDE, KOFF, WIN, BK, DOC,
@@ -204,12 +215,7 @@ def _band_fwd(Q, K, V, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, 
     for i0 in range(m2, i_end, BK):
         m_i, l_i, acc = _fwd_tile(q, kb, vb, sks, svs, i0, i_end, t, ds, bkv, m_i, l_i, acc, qk_scale, KSTRIDE, KOFF,
                                   WIN, BK, DK, DV, DKP, DVP, DOC, True, TMA)
-    ok = l_i > 0
-    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
+    finish_softmax(O, LSE, acc, m_i, l_i, b * sob + t * sot + h * soh, (b * T + t) * (HKV * G) + h, row_ok, DV, DVP)
 
 
 def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> dict:

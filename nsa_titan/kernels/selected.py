@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, online_softmax
+from nsa_titan.kernels.band import LOG2E, finish_softmax, online_softmax
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
@@ -93,7 +93,6 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
              DOC: tl.constexpr, TMA: tl.constexpr):
     t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
                                                                   GR, DK, DKP, DOC)
-    dv = tl.arange(0, DVP)
     m_i = tl.full([GR], -1e30, tl.float32)
     l_i = tl.zeros([GR], tl.float32)
     acc = tl.zeros([GR, DVP], tl.float32)
@@ -108,12 +107,7 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
             kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP,
                                         BS, NSEL, DK, DV, DKP, DVP)
             m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale)
-    ok = l_i > 0
-    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + t * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
+    finish_softmax(O, LSE, acc, m_i, l_i, b * sob + t * sot + h * soh, (b * T + t) * (HKV * G) + h, row_ok, DV, DVP)
 
 
 @triton.jit
@@ -156,7 +150,7 @@ def _sel_fwd_pair(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, s
     g = rr % GR
     row_ok = (g < G) & (tok < T)
     h = kv * G + g
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    dk = tl.arange(0, DKP)
     q = tl.load(Q + b * sqb + tok[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
     s_min = tok * 0
@@ -183,12 +177,8 @@ def _sel_fwd_pair(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, s
         blk = tl.sum(tl.where(j == e, order, 0), 0).to(tl.int32)
         m_i, l_i, acc = _pair_block(q, K, V, blk, tok, s_min, row_ok & second, b, kv, skb, sks, skh, svb, svs, svh,
                                     m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
-    ok = l_i > 0
-    o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + tok[:, None] * sot + h[:, None] * soh + dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * T + tok) * (HKV * G) + h, lse, mask=row_ok)
+    finish_softmax(O, LSE, acc, m_i, l_i, b * sob + tok * sot + h * soh, (b * T + tok) * (HKV * G) + h, row_ok, DV,
+                   DVP)
 
 
 # dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
