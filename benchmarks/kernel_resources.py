@@ -89,7 +89,7 @@ def compile_one(kernel: str, D: int, G: int, geo: str, cfg: dict, hkv: int = 1) 
     ``tma``, default on: K/V in the forward and dQ, Q/dO in dK/dV with one KV head); the selected dK/dV with
     pointer loads (its gathers of scattered tokens are not boxes)."""
     if kernel == "sel_dkdv":
-        fn, pointers = selected_bwd._sel_bwd_dkdv, dict(SEL_POINTERS)
+        fn, pointers = selected_bwd._sel_bwd_dkdv, SEL_POINTERS
         rows = max(cfg["rows"], band.pow2(G))
         gs = G if cfg.get("exact_rows", D <= 64) else band.pow2(G)
         consts = dict(LP=64, BS=64, NSEL=16, G=G, GS=gs, BT=rows // gs, ROWS=rows, DK=D, DV=D, DKP=D, DVP=D,
