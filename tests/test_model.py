@@ -233,3 +233,41 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
     monkeypatch.setitem(attention.NSA_IMPLS, impl, spy)
     tiny_model(attn_impl=impl, dq_buffer_gib=gib)(torch.randint(0, 256, (1, 40)))
     assert seen == ([int(gib * 2**30)] * 2 if impl == "triton" else [None, None])
+
+
+@pytest.mark.parametrize("shared_kv,n_heads", [(False, 4), (True, 4), (False, 8)])
+def test_project_runs_the_gates_in_the_kv_matmul(shared_kv, n_heads):
+    """NSAAttention.project computes K/V and the gates in one GEMM over the two weights stacked (zero-padded to rows
+    of 16-byte multiples: 204 and 76 outputs here, 216 without padding): the same values and the same weight and
+    input gradients as the two nn.Linear layers on their own (which stay the parameters)."""
+    from nsa_titan.models.nsa.attention import apply_rope
+
+    model = tiny_model(shared_kv=shared_kv, n_heads=n_heads)
+    attn = model.layers["0"].attention
+    assert attn._kv_and_gate_logits(torch.randn(1, 3, TINY["dim"]))[1].stride(-2) % 8 == 0
+    t = 21
+    x0 = torch.randn(2, t, TINY["dim"])
+    cos, sin = model.rope_cos[:t], model.rope_sin[:t]
+
+    def separate(x):
+        kv = attn.wkv(x).view(2, t, attn.n_kv_sets, attn.n_kv_heads, -1)
+        k, v = kv.split([attn.head_dim, attn.v_head_dim], dim=-1)
+        k = apply_rope(k.flatten(2, 3), cos, sin).view_as(k)
+        return k, v, torch.sigmoid(attn.wgate(x)).view(2, t, attn.n_heads, 3)
+
+    def fused(x):
+        _, raw, slc, win, gates = attn.project(x, cos, sin)
+        sets = (raw, slc, win)[:attn.n_kv_sets]
+        return torch.stack([s[0] for s in sets], 2), torch.stack([s[1] for s in sets], 2), gates
+
+    results = []
+    for fn in (separate, fused):
+        x = x0.clone().requires_grad_(True)
+        k, v, g = fn(x)
+        w = [torch.linspace(-1, 1, z.numel()).view_as(z) for z in (k, v, g)]
+        sum((z * wz).sum() for z, wz in zip((k, v, g), w)).backward()
+        results.append([k.detach(), v.detach(), g.detach(), x.grad, attn.wkv.weight.grad.clone(),
+                        attn.wgate.weight.grad.clone()])
+        attn.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
