@@ -153,28 +153,14 @@ class NSAAttention(nn.Module):
         yet (a KV cache keeps the raw compression-branch keys and compresses one block at a time)."""
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        kv, g = self._kv_and_gate_logits(x)
-        kv = kv.view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
+        kv = self.wkv(x).view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
         k, v = kv.split([self.head_dim, self.v_head_dim], dim=-1)
         k = apply_rope(k.flatten(2, 3), cos, sin).view_as(k)
         ks, vs = k.unbind(2), v.unbind(2)
         if self.n_kv_sets == 1:
             ks, vs = ks * 3, vs * 3
-        gates = torch.sigmoid(g.float()).view(b, t, self.n_heads, 3)
+        gates = torch.sigmoid(self.wgate(x).float()).view(b, t, self.n_heads, 3)
         return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
-
-    def _kv_and_gate_logits(self, x):
-        """x [B, T, dim] -> (every branch's K/V [B, T, n_kv_sets * HKV * (Dk + Dv)], gate logits [B, T, 3 * HQ]) from
-        one GEMM over the two weights stacked. On its own the gates' GEMM (N = 3 * HQ, filling no tensor-core tile)
-        took three launches forward and backward and added one more [B, T, dim] term to the sum that forms dx.
-        Zero rows pad the stack to a multiple of 8 outputs: an output row of 16-byte multiples keeps cuBLAS on its
-        aligned kernels (m7c's 36 gate outputs alone ran on align-2 ones). The weights stay two parameters:
-        checkpoints, export and init do not change."""
-        n_kv, n_g = self.wkv.out_features, self.wgate.out_features
-        pad = -(n_kv + n_g) % 8  # also 0 rows: one op sequence for every shape (decoding counts its ops)
-        w = torch.cat((self.wkv.weight, self.wgate.weight, self.wkv.weight.new_zeros(pad, self.wkv.in_features)))
-        kv, g, _ = F.linear(x, w).split([n_kv, n_g, pad], dim=-1)
-        return kv, g
 
     def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None, cache=None):
         """x [B, T, dim] (positions given by the RoPE rows cos/sin) -> [B, T, dim].
