@@ -194,11 +194,12 @@ def main() -> None:
             rows.append({"variant": name, **{k: s.get(k) for k in (
                 "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
                 "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
-                "model": s.get("model"), "training": s["config"]["training"]})
+                "model": s.get("model"), "training": s["config"]["training"],
+                "activation_checkpoint": s["config"].get("activation_checkpoint")})
     meta = environment()
     result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              **meta, "notes": notes, "rows": rows}
+              **meta, "overrides": a.extra, "notes": notes, "rows": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train_{a.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -564,3 +564,51 @@ def test_bench_window_table_lists_the_paths_that_ran_with_their_determinism():
     header = next(x for x in md.splitlines() if x.startswith("| config"))
     assert "band ms | torch_flash ms |" in header and "flex" not in header and "band det | torch_flash det" in header
     assert "| 0.900 | 0.700 | 0.0e+00 | 2.0e-03 | yes | no | torch_flash |" in md
+
+
+def _load_benchmark(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, common.REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_roofline_splits_a_whole_model_row_into_attention_and_the_rest(ac):
+    """benchmarks/roofline_whole_model.py: with the rest of the step R per token and the kernel table's times, a dense
+    row of R + L * (SDPA f+b [+ SDPA fwd under full AC]) / T and an NSA row of R + L * (NSA kernels [+ NSA fwd]) / T
+    are predicted exactly; the attention speed-up the 8k target needs is NSA's attention time over dense's; the
+    best case at SDPA's FLOP rate is R + NSA's useful FLOPs at that rate. A mode with no known recompute is refused."""
+    pytest.importorskip("triton")
+    mod = _load_benchmark("roofline_whole_model")
+    L, T, rest = 2, 8192, 10e-6
+    k = dict(config="1b", T=T, sdpa_fwdbwd_ms=2.0, sdpa_fwd_ms=0.5, nsa_fwdbwd_ms=3.0, nsa_fwdbwd_kernel_ms=2.5,
+             nsa_fwd_ms=0.6)
+    rc = 1.0 if ac == "full" else 0.0
+    a_dense = L * (2.0 + rc * 0.5) / 1e3 / T
+    a_nsa = L * (2.5 + rc * 0.6) / 1e3 / T
+    args = dict(n_layers=L, n_heads=16, n_kv_heads=1, head_dim=128, v_head_dim=None, cmp_block=32, cmp_stride=16,
+                slc_block=64, slc_top_n=16, window=512)
+
+    def row(variant, seconds_per_token):
+        return dict(variant=variant, last_window_tokens_per_s_per_gpu=1 / seconds_per_token,
+                    model=dict(flavor="1b", args=args), training=dict(seq_len=T, local_batch_size=2),
+                    activation_checkpoint=dict(mode=ac))
+
+    result = dict(tag="t", rows=[row("triton_compile_cg", rest + a_nsa), row("dense_compile_cg", rest + a_dense)])
+    (r,) = mod.roofline_rows(result, dict(bench=[k]))
+    assert r["attention_config"] == "1b" and r["ac_full"] == (ac == "full")
+    assert r["predicted_ratio"] == pytest.approx(r["measured_ratio"], rel=1e-9)
+    assert r["rest_us_per_token"] == pytest.approx(rest * 1e6, rel=1e-9)
+    assert r["needed_attention_speedup"] == pytest.approx(a_nsa / a_dense, rel=1e-9)  # target 1.0 at 8k
+    cfg = mod.CONFIGS["1b"]
+    best = L * (mod.flops(T, cfg, False) / (mod.sdpa_flops(T, cfg, False) / 2.0e-3)
+                + rc * mod.flops(T, cfg, True) / (mod.sdpa_flops(T, cfg, True) / 0.5e-3)) / T
+    assert r["best_ratio_at_sdpa_rate"] == pytest.approx((rest + a_dense) / (rest + best), rel=1e-9)
+    bad = dict(tag="t", rows=[dict(row("triton_compile_cg", 1e-5), activation_checkpoint=dict(mode="ratio")),
+                              row("dense_compile_cg", 1e-5)])
+    with pytest.raises(ValueError, match="only 'none' and 'full'"):
+        mod.roofline_rows(bad, dict(bench=[k]))
+    assert "no kernel-table row" in mod.roofline_rows(result, dict(bench=[dict(k, T=4096)]))[0]["skipped"]
