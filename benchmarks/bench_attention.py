@@ -59,7 +59,9 @@ def flops(T, cfg, fwd_only):
     return f if fwd_only else f + 2.5 * (cmp_ + slc + win)
 
 
-def bench(cfgs, Ts):
+def bench(cfgs, Ts, dq_buffer_bytes: int = selected.DS_BUDGET):
+    """``dq_buffer_bytes``: the backward's budget for the selected branch's stored dS / dQ partials (the model's
+    dq_buffer_gib; default 2 GiB): above it dQ recomputes."""
     rows = []
     fla_nsa = load_fla()
     for cname, cfg in cfgs:
@@ -68,13 +70,18 @@ def bench(cfgs, Ts):
             ins = [x.requires_grad_(True) for x in make_inputs(1, T, HQ, HKV, DK, DV, p)]
             dout = torch.randn(1, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
             row = dict(config=cname, T=T)
+            if dq_buffer_bytes != selected.DS_BUDGET:
+                row["dq_buffer_gib"] = dq_buffer_bytes / 2**30
+
+            def nsa(*a):
+                return nsa_attention(*a, dq_buffer_bytes=dq_buffer_bytes)
             try:
                 for bwd in (False, True):
-                    ms, mem = bench_one(lambda: nsa_attention(*ins, p)[0], ins, dout, bwd)  # noqa: B023
+                    ms, mem = bench_one(lambda: nsa(*ins, p)[0], ins, dout, bwd)  # noqa: B023
                     row["nsa_fwdbwd_ms" if bwd else "nsa_fwd_ms"] = ms
                     row["nsa_fwdbwd_GiB" if bwd else "nsa_fwd_GiB"] = mem
                     row["nsa_fwdbwd_TFLOPs" if bwd else "nsa_fwd_TFLOPs"] = flops(T, cfg, not bwd) / ms / 1e9
-                row["nsa_fwdbwd_kernel_ms"] = kernel_ms(lambda: nsa_attention(*ins, p)[0], ins, dout)  # noqa: B023
+                row["nsa_fwdbwd_kernel_ms"] = kernel_ms(lambda: nsa(*ins, p)[0], ins, dout)  # noqa: B023
             except Exception as e:  # OOM or a kernel failure: record it, keep benchmarking
                 row["nsa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             q, k, v = ins[0], ins[3], ins[4]
@@ -322,8 +329,12 @@ def main():
     ap.add_argument("--configs", default="paper,1b,m7c,qwen7b", help=f"bench configs, of {', '.join(CONFIGS)}")
     ap.add_argument("--sweep", action="store_true", help="tune launch shapes at paper 64k first, then use them")
     ap.add_argument("--from-json", help="only rewrite the markdown of an earlier run's JSON (no GPU needed)")
+    ap.add_argument("--dq-buffer-gib", type=float, default=selected.DS_BUDGET / 2**30,
+                    help="bench: the selected backward's dS / dQ-partials budget (the model's dq_buffer_gib)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
+    if a.dq_buffer_gib < 0:
+        ap.error(f"--dq-buffer-gib {a.dq_buffer_gib}: use a size >= 0 (0 always recomputes dQ)")
     if a.from_json:
         with open(a.from_json) as f:
             return write(a.out, json.load(f))
@@ -345,7 +356,11 @@ def main():
         payload["check"] = check(cases)
     if a.bench:
         Ts = [int(t) for t in a.ts.split(",")]
-        payload["bench"] = bench([(c, CONFIGS[c]) for c in a.configs.split(",")], Ts)
+        budget = int(a.dq_buffer_gib * 2**30)
+        if budget != selected.DS_BUDGET:
+            payload["note"] = (f"NSA with dq_buffer_gib = {a.dq_buffer_gib:g} "
+                               f"(the default is {selected.DS_BUDGET / 2**30:g})")
+        payload["bench"] = bench([(c, CONFIGS[c]) for c in a.configs.split(",")], Ts, budget)
     if a.breakdown:
         payload["breakdown"] = {f"paper_T{T}": breakdown(PAPER, T) for T in (8192, 65536)}
         payload["breakdown"]["m7c_T32768"] = breakdown(M7C, 32768)

@@ -114,7 +114,14 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
                dict(rows=256, CI=64, num_warps=8, num_stages=3, tma=True),
                dict(rows=256, CI=64, num_warps=8, num_stages=2, tma=True),
-               dict(rows=128, CI=64, num_warps=8, num_stages=3, tma=True)],
+               dict(rows=128, CI=64, num_warps=8, num_stages=3, tma=True),
+               # A token's heads on the tile's register rows (select.py HL, the default since 2026-11-27 where
+               # heads_on_register_rows applies); perm=False is the plain row order. Offline sm_90 at 128 / 4: m7c
+               # 332 -> 156 SHFL and 186 -> 128 registers, the 1b 167 -> 103 SHFL
+               dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True, perm=False),
+               dict(rows=128, CI=64, num_warps=4, num_stages=2, tma=True),
+               dict(rows=128, CI=32, num_warps=4, num_stages=3, tma=True),
+               dict(rows=128, CI=64, num_warps=8, num_stages=3, tma=True, perm=False)],
 }
 
 

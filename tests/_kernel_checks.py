@@ -298,6 +298,39 @@ def _select_tma_check(device):
     return {"ok": len(same) >= 6 and all(same.values()), "same": same}
 
 
+def _select_heads_on_registers_check(device):
+    """The selection with a token's heads on the 128-row tile's register rows (select.py HL, the default where
+    heads_on_register_rows applies: 4 to 32 heads per token) against the plain row order: the same group sums
+    (added in another order), so the same indices, in every case with such a group (documents too)."""
+    import torch
+
+    from nsa_titan.kernels import select
+    from nsa_titan.kernels.combine import pow2
+
+    same = {}
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is None or select.heads_on_register_rows(128, pow2(case[3] // case[4])) < 0:
+            continue
+        p = x["p"]
+        idx = [select.select_blocks(x["q"], x["kc"], x["lse_c"], p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                    cfg=dict(merge="sorted", CI=16, rows=128, perm=perm), doc_start=x["doc"])
+               for perm in (True, False)]
+        same[case[0]] = bool(torch.equal(idx[0], idx[1]) and torch.equal(idx[1], x["idx"]))
+    # The cases above leave a token few blocks to choose besides its forced ones; here 5 of 8 slots are free, over
+    # 49 blocks, so tokens that got each other's scores would choose differently.
+    from nsa_titan.kernels import band
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 8, 8, 16)
+    gen = torch.Generator().manual_seed(5)
+    q, kc = (torch.randn(*sh, generator=gen).to(device) for sh in ((2, 390, 16, 16), (2, p.num_cmp_tokens(390), 2, 16)))
+    _, lse = band.band_fwd(q, kc, kc, p.cmp_stride, p.cmp_block - 1, 0)
+    idx = [select.select_blocks(q, kc, lse, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n,
+                                cfg=dict(merge="sorted", CI=16, rows=128, perm=perm)) for perm in (True, False)]
+    same["free_g8_hkv2"] = bool(torch.equal(idx[0], idx[1]))
+    return {"ok": len(same) == 6 and all(same.values()), "same": same}
+
+
 def _select_slot_order_check(device):
     """What the token-centric kernels' slot bound (selected.token_group's n_used) rests on: the selection fills a
     token's first min(n, t // l' - doc_start // l' + 1) slots (its candidate blocks) and leaves the rest -1, every
@@ -682,7 +715,7 @@ CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_che
           ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_pairs", _sel_pairs_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
-          ("select_tma", _select_tma_check),
+          ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
           ("decode_fused", _decode_fused_check))

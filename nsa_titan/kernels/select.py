@@ -37,12 +37,17 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
                    CD: tl.constexpr, CL: tl.constexpr, LP: tl.constexpr, R: tl.constexpr, LD: tl.constexpr,
                    NSEL: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr,
                    CI: tl.constexpr, BJ: tl.constexpr, DK: tl.constexpr,
-                   DKP: tl.constexpr, DOC: tl.constexpr, SORTED_MERGE: tl.constexpr, TMA: tl.constexpr):
+                   DKP: tl.constexpr, DOC: tl.constexpr, SORTED_MERGE: tl.constexpr, TMA: tl.constexpr,
+                   HL: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, BT * GP)
-    t = pid_m * BT + r // GP
-    g = r % GP
+    if HL >= 0:  # 128 rows, a token's heads on row bits 3 and 6 and the lowest HL bits (heads_on_register_rows)
+        t = pid_m * BT + ((r >> 4) & 3) * (8 >> HL) + ((r >> HL) & ((8 >> HL) - 1))
+        g = ((r >> 6) & 1) * (2 << HL) + ((r >> 3) & 1) * (1 << HL) + (r & ((1 << HL) - 1))
+    else:  # row = token * GP + head
+        t = pid_m * BT + r // GP
+        g = r % GP
     h = kv * G + g
     row_ok = (t < T) & (g < G)
     dk = tl.arange(0, DKP)
@@ -83,7 +88,11 @@ def _select_kernel(Q, KC, LSE, IDX, DS, sqb, sqt, sqh, skb, sks, skh,
             vis = vis & (i[None, :] * CD >= ds_row[:, None])
         before_first = tl.where(i >= 0, 0.0, float("-inf"))
         p = tl.exp2(tl.where(vis, s * qk_scale - lse[:, None] + before_first[None, :], float("-inf")))
-        pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
+        if HL >= 0:  # eq. 10: sum over the group's heads, the register row bits first, then HL lane bits
+            p6 = tl.reshape(p, [2, 4, 2, 8 >> HL, 1 << HL, CI])  # row bits (6, 5-4, 3, token lanes, head lanes)
+            pg = tl.reshape(tl.sum(tl.sum(tl.sum(p6, axis=0), axis=1), axis=2), [BT, CI])
+        else:
+            pg = tl.sum(tl.reshape(p, [BT, GP, CI]), axis=1)  # eq. 10: sum over the group's heads
         j = j0 + col
         lo = tl.maximum(i[:, None] * CD, j[None, :] * LP)
         hi = tl.minimum(i[:, None] * CD + CL, (j[None, :] + 1) * LP)
@@ -140,6 +149,7 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     if lc["merge"] not in ("topk", "sorted"):
         raise ValueError(f"select cfg merge={lc['merge']!r}: use 'topk' or 'sorted'")
     bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
+    hl = heads_on_register_rows(bt * gp, gp) if lc.get("perm", True) else -1
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
     # tma: K_cmp's chunks through a descriptor (tma.py; where TUNED says so: m7c and the 1b, attempt 70).
@@ -149,5 +159,17 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
                {1: (k_cmp, list(k_cmp.shape), list(k_cmp.stride()), [1, ci, 1, DK])}, bool(lc.get("tma", False)),
                dict(CD=cmp_stride, CL=cmp_block, LP=slc_block, R=R, LD=LD, NSEL=top_n, W=max(pow2(top_n), pow2(bj)),
                     BT=bt, GP=gp, CI=ci, BJ=bj, DK=DK, DKP=pow2(max(DK, 16)), DOC=doc_start is not None,
-                    SORTED_MERGE=lc["merge"] == "sorted", num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
+                    SORTED_MERGE=lc["merge"] == "sorted", HL=hl, num_warps=lc["num_warps"],
+                    num_stages=lc["num_stages"]))
     return idx
+
+
+def heads_on_register_rows(rows: int, gp: int) -> int:
+    """How many of a token's head bits sit on lane row bits when its heads also take row bits 3 and 6 (HL in
+    _select_kernel), or -1 for the plain order (row = token * gp + head). The group sum of eq. 10 runs over the
+    rows of one token: in the plain order those are lanes (row bits 0-2 of an MMA tile), so it took log2(gp)
+    shuffles per score held (1b 4, m7c 3; ncu: the kernel waits on the shared-memory / shuffle pipe, 78 % busy).
+    A 128-row wgmma tile over 4 warps keeps rows r, r + 8 and r + 64 in one thread: with two head bits there, the
+    sum adds in registers first and shuffles only log2(gp) - 2 times on a quarter of the values. Needs 128 rows of
+    4 to 32 heads per token (other shapes and warp counts are still correct, with other costs)."""
+    return gp.bit_length() - 3 if rows == 128 and 4 <= gp <= 32 else -1
