@@ -77,8 +77,14 @@ TUNED: dict[tuple, dict] = {
     # `_select_kernel` m7c 0.148 -> 0.139 ms at 8k batch 2, 0.091 -> 0.075 at batch 1, 1.633 -> 1.603 at 32k batch
     # 2, 0.872 -> 0.842 at batch 1; the 1b 0.849 -> 0.832 at 32k batch 1 (attention totals within +-3 %: noise).
     # The paper config (same G 16 key) unmeasured.
+    # Since attempt 76 (eighteenth session) a token's heads sit on the 128-row tile's register rows (select.py HL),
+    # and the group sum shuffles less: sweep_selected_heads_regs_s18_*, batch 2, descriptors, plain row order ->
+    # heads on registers at 3 stages -> at 2 stages, 8k / 32k: m7c 0.182 -> 0.150 -> 0.179 / 1.75 -> 1.27 -> 1.26;
+    # the 1b 0.169 -> 0.152 -> 0.137 / 1.60 -> 1.38 -> 1.19; paper 0.561 -> 0.501 -> 0.437 / 6.29 -> 5.39 -> 4.60;
+    # qwen7b (no entry before: pointer loads, 3 stages) 0.388 -> 0.325 -> 0.291 / 4.14 -> 3.20 -> 2.77.
     ("select", 8, 64, False): dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
-    ("select", 16, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
+    ("select", 8, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=2, tma=True),
+    ("select", 16, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=2, tma=True),
     ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
     # 1.931 ms (sweep_selected_prefetch_*). mask_split (the walk's steps past a block's own tokens without the causal
