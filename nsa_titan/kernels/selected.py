@@ -6,7 +6,10 @@ Forward: one program per (token, batch, KV head) holds all G query heads of the 
 whole group. Keys s > t are masked, which only bites in the token's own block. Document masking (DOC, DS =
 doc_start [B, T] int32): keys before the token's document are masked.
 
-For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py).
+For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py). For G 16 at head dim 128
+(tuned.py: the 1b, the paper config) it takes two neighbouring tokens per program over the union of their blocks
+(_sel_fwd_pair): a block both chose is loaded once, which pays on a model's selections (they overlap more than
+random ones; notes attempt 74).
 """
 
 from __future__ import annotations
