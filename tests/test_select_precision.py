@@ -26,7 +26,7 @@ from nsa_titan.kernels import select
 out = []
 for BT, GP, DK in json.loads(sys.argv[1]):
     consts = dict(CD=16, CL=32, LP=64, R=4, LD=2, NSEL=16, W=16, BT=BT, GP=GP, CI=64, BJ=15, DK=DK, DKP=DK,
-                  DOC=False, SORTED_MERGE=True, TMA=False)
+                  DOC=False, SORTED_MERGE=True, TMA=False, HL=select.heads_on_register_rows(BT * GP, GP))
     ptr = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "IDX": "*i64", "DS": "*fp32"}
     k = compile_sm90(select._select_kernel, consts, ptr, num_warps=4, num_stages=3)
     dots = []
@@ -45,8 +45,9 @@ def test_selection_importance_dot_is_not_plain_tf32():
     triton = pytest.importorskip("triton")
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90")
-    # (tokens per program, padded group, head dim): m7c's default 16 and 32 tokens, the 1b's 4, and 8 (no dot)
-    shapes = [(16, 8, 64), (32, 8, 64), (4, 16, 128), (8, 8, 128)]
+    # (tokens per program, padded group, head dim): m7c's default 16 and 32 tokens, the 1b's default 8 and 4, and
+    # 8 at G 8 (no dot); 128-row tiles take the heads-on-register-rows order (select.heads_on_register_rows)
+    shapes = [(16, 8, 64), (32, 8, 64), (8, 16, 128), (4, 16, 128), (8, 8, 128)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, "benchmarks"), env.get("PYTHONPATH", "")])
