@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import CONFIGS, PEAK_TFLOPS, flops  # noqa: E402
-from whole_model_table import TARGETS, _tps  # noqa: E402
+from whole_model_table import TARGETS, _tps, nsa_dense_pairs  # noqa: E402
 
 
 def sdpa_flops(T: int, cfg: dict, fwd_only: bool) -> float:
@@ -69,13 +69,9 @@ def ac_full(result: dict, row: dict) -> bool:
 
 
 def roofline_rows(result: dict, table: dict) -> list[dict]:
-    by = {r["variant"]: r for r in result["rows"] if "error" not in r}
     bench = {(b["config"], b["T"]): b for b in table["bench"]}
     out = []
-    for name, r in by.items():
-        if name.startswith("dense"):
-            continue
-        dense = by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or by.get("dense_compile")
+    for name, r, dense in nsa_dense_pairs(result):
         args, T, B = r["model"]["args"], r["training"]["seq_len"], r["training"]["local_batch_size"]
         cname = attention_config(args)
         k = bench.get((cname, T))

@@ -23,13 +23,16 @@ def _tps(row: dict) -> float | None:
     return row.get("last_window_tokens_per_s_per_gpu") or row.get("tokens_per_s_per_gpu")
 
 
-def ratio_rows(result: dict) -> list[dict]:
+def nsa_dense_pairs(result: dict) -> list[tuple[str, dict, dict | None]]:
+    """(variant, NSA row, the dense row of the same compile mode or None) for every NSA variant that ran."""
     by = {r["variant"]: r for r in result["rows"] if "error" not in r}
+    return [(name, r, by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or
+             by.get("dense_compile")) for name, r in by.items() if not name.startswith("dense")]
+
+
+def ratio_rows(result: dict) -> list[dict]:
     rows = []
-    for name, r in by.items():
-        if name.startswith("dense"):
-            continue
-        dense = by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or by.get("dense_compile")
+    for name, r, dense in nsa_dense_pairs(result):
         flavor, tr = r["model"]["flavor"], r["training"]
         nsa_tps, dense_tps = _tps(r), dense and _tps(dense)
         ratio = nsa_tps / dense_tps if nsa_tps and dense_tps else None
