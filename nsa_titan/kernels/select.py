@@ -149,6 +149,8 @@ def select_blocks(q, k_cmp, lse, cmp_block: int, cmp_stride: int, slc_block: int
     if lc["merge"] not in ("topk", "sorted"):
         raise ValueError(f"select cfg merge={lc['merge']!r}: use 'topk' or 'sorted'")
     bt = max(2, lc["rows"] // gp)  # bt * gp >= 16 rows: tl.dot needs M >= 16
+    # perm (default True): a token's heads on the tile's register rows where heads_on_register_rows allows; False
+    # keeps the plain row order (the A/B of sweep_selected.py and the interpreter check)
     hl = heads_on_register_rows(bt * gp, gp) if lc.get("perm", True) else -1
     ci = max(lc["CI"], pow2(R + LD - 1))  # a chunk must hold at least one block's compressed tokens
     bj = (ci - LD + 1) // R
