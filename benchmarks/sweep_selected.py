@@ -1,6 +1,9 @@
 """Launch-shape sweep of the selected-attention forward and dQ kernels, per config and sequence length.
 
     python benchmarks/sweep_selected.py --configs paper,1b,m7c,qwen7b --ts 8192,32768 [--batch 1] [--out DIR]
+        [--q-corr 0.9]   # queries correlated along T: the 1b's selections then overlap like a model's after 60
+                         # steps (|union| / n 1.14 / 1.43 / 1.84 for 2 / 4 / 8 tokens against 1.15 / 1.43 / 1.77;
+                         # random queries 1.46 / 2.17 / 2.97: q_corr_overlap_1b_seq8192_cpu.json)
 
 For each (config, T): random bf16 inputs, block indices from the real selection kernel, then every variant of
 ``VARIANTS`` timed (median of triton.testing.do_bench) for sel_fwd, the whole backward with each dQ variant
@@ -125,11 +128,11 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
 }
 
 
-def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None = None) -> dict:
+def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None = None, q_corr: float = 0.0) -> dict:
 
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     p = PAPER_P
-    q, kc, vc, ks, vs, _, _, _ = make_inputs(B, T, HQ, HKV, DK, DV, p)
+    q, kc, vc, ks, vs, _, _, _ = make_inputs(B, T, HQ, HKV, DK, DV, p, q_corr=q_corr)
     _, lse_c = band.band_fwd(q, kc, vc, p.cmp_stride, p.cmp_block - 1, 0)
     idx = select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n)
     o, lse = selected.sel_fwd(q, ks, vs, idx, p.slc_block)
@@ -145,7 +148,7 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
     # The selection against float64, not against its own default: a launch shape that rounds differently
     # (a tf32 map, 2026-11-26) must not make the others look wrong.
     refs = {"select": lambda: (torch.sort(float64_selection(q, kc, p), -1).values,)}
-    out = dict(config=name, T=T, B=B, G=G)
+    out = dict(config=name, T=T, B=B, G=G, q_corr=q_corr)
     for bt in TILES:
         out[f"union_over_n_bt{bt}"] = round(union_ratio(idx, bt), 3)
     for kname, fn in ((k, jobs[k]) for k in kernels):
@@ -168,9 +171,14 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
 def main():
     ap = sweep_parser("paper,1b,m7c,qwen7b")
     ap.add_argument("--kernels", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--q-corr", type=float, default=0.0,
+                    help="lag-1 correlation of the queries along T (attention_checks.correlated_along_t): selections "
+                         "whose neighbours overlap like a model's (union_over_n_bt* in the output says how much)")
     a = ap.parse_args()
+    if not 0.0 <= a.q_corr < 1.0:
+        ap.error(f"--q-corr {a.q_corr}: use 0 <= q-corr < 1")
     pick = picked_variants(ap, a, VARIANTS, a.kernels.split(","))
-    run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(","), pick))
+    run_sweep("sweep_selected", a, lambda name, T: case(name, T, a.batch, a.kernels.split(","), pick, a.q_corr))
 
 
 if __name__ == "__main__":

@@ -614,3 +614,25 @@ def test_roofline_splits_a_whole_model_row_into_attention_and_the_rest(ac):
     with pytest.raises(ValueError, match="only 'none' and 'full'"):
         mod.roofline_rows(bad, dict(bench=[k]))
     assert "no kernel-table row" in mod.roofline_rows(result, dict(bench=[dict(k, T=4096)]))[0]["skipped"]
+
+
+def test_correlated_queries_are_a_unit_variance_ar1_along_t():
+    """benchmarks/attention_checks.correlated_along_t (sweep_selected.py --q-corr): each value stays N(0, 1), the
+    lag-1 and lag-3 correlations along T are corr and corr^3 (not across heads or batch rows), 0 returns the input,
+    and a correlation of 1 or more is refused."""
+    pytest.importorskip("triton")
+    mod = _load_benchmark("attention_checks")
+    x = torch.randn(2, 20000, 3, 4, generator=torch.Generator().manual_seed(0))
+    assert mod.correlated_along_t(x, 0.0) is x
+    y = mod.correlated_along_t(x, 0.8)
+    assert y.shape == x.shape
+    assert float(y.var()) == pytest.approx(1.0, abs=0.05) and float(y[:, :5].var()) == pytest.approx(1.0, abs=0.35)
+
+    def lag_corr(z, k):
+        a, b = z[:, k:].flatten(), z[:, :-k].flatten()
+        return float(((a - a.mean()) * (b - b.mean())).mean() / (a.std() * b.std()))
+
+    assert lag_corr(y, 1) == pytest.approx(0.8, abs=0.02) and lag_corr(y, 3) == pytest.approx(0.512, abs=0.02)
+    assert abs(float((y[:, :, 0] * y[:, :, 1]).mean())) < 0.05  # heads stay independent
+    with pytest.raises(ValueError, match="0 <= q_corr < 1"):
+        mod.correlated_along_t(x, 1.0)
