@@ -75,7 +75,13 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                dict(_v(), algo="ds", tma=True), dict(_v(1), algo="ds", tma=True),
                dict(_v(1, st=3), algo="ds", tma=True),
                dict(_v(1, w=2), algo="ds", tma=True), dict(_v(1, w=2, st=3), algo="ds", tma=True),
-               dict(_v(2, w=2), algo="ds", tma=True)],
+               dict(_v(2, w=2), algo="ds", tma=True),
+               # dQ from stored dS for two neighbouring tokens over their blocks' union (selected_dq, attempt 77): K
+               # of a shared block loaded once. Offline sm_90, 1b shape, descriptors: 196 registers at 2 warps, 128
+               # at 4, no spills (the one-token kernel: 128 / 80)
+               dict(_v(1, w=2), algo="ds", tma=True, pairs=True),
+               dict(_v(1, w=2, st=3), algo="ds", tma=True, pairs=True),
+               dict(_v(1, w=4), algo="ds", tma=True, pairs=True)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),

@@ -423,11 +423,14 @@ def _sel_pairs_check(device):
 
 # dQ from stored dS through descriptors needs l' >= 16 (a slot's dS rows are one box's width). A group of 16 fills
 # the 16-row box exactly (the 1b's and the paper config's shape), a smaller one reads the next slots' rows too
-# (qwen7b's G 7); of the cases above only g3_hkv2_lp16 qualifies, so two G 16 cases (one with documents) join it.
+# (qwen7b's G 7); of the cases above only g3_hkv2_lp16 qualifies, so three G 16 cases (one with documents, one with
+# free slots and an odd T) join it.
 DS_TMA_CASES = [
     ("g16_lp16", 1, 70, 16, 1, 32, 32, (16, 8, 16, 3, 24), "float32"),
     ("doc_g16_lp16", 1, 70, 16, 1, 32, 16, (16, 8, 16, 3, 24), "float32", [[0, 9, 40]]),
     CASES[3],
+    # 3 of 6 slots free over 10 blocks: neighbouring tokens choose different blocks (sel_dq_pairs' union)
+    ("g16_lp16_free", 1, 161, 16, 1, 32, 32, (16, 8, 16, 6, 24), "float32"),
 ]
 
 
@@ -458,6 +461,30 @@ def _sel_dq_ds_tma_check(device):
             worst[case[0]] = rel_err(dq[2, True], dq[2, False])
     return {"ok": took == len(DS_TMA_CASES) and not unequal and all(w < 1e-5 for w in worst.values()),
             "worst": worst, "cases_with_descriptors": took, "unequal_one_block": unequal}
+
+
+def _sel_dq_pairs_check(device):
+    """dQ = dS K for two neighbouring tokens over their blocks' union (selected_dq._sel_bwd_dq_ds_pair, attempt 77)
+    against one token per program, every case (odd T: the last pair has one token; documents; fp16) with pointer
+    loads, and the descriptor cases with descriptors (no fallback): t1's blocks summed in another order, so a float
+    bound."""
+
+    from nsa_titan.kernels import selected_bwd
+
+    worst = {}
+    with _no_descriptor_fallback():
+        for case, use in [(c, False) for c in CASES + DOC_CASES] + [(c, True) for c in DS_TMA_CASES]:
+            if (x := _sel_inputs(case, device)) is None:
+                continue
+            lp = x["p"].slc_block
+            dq = [selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
+                                       cfg_dq=dict(algo="ds", NPI=1, tma=use, pairs=pairs), doc_start=x["doc"])[0]
+                  for pairs in (False, True)]
+            worst[case[0], use] = rel_err(dq[1], dq[0])
+    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES + DS_TMA_CASES}
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 + len(DS_TMA_CASES)
+            and all(w < bound[k[0]] for k, w in worst.items()),
+            "worst": {f"{k[0]}{'_tma' if k[1] else ''}": w for k, w in worst.items()}}
 
 
 def _sel_bwd_paths_check(device):
@@ -714,7 +741,8 @@ def _decode_fused_check(device):
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_pairs", _sel_pairs_check),
-          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("select_merge", _select_merge_check),
+          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_pairs", _sel_dq_pairs_check),
+          ("select_merge", _select_merge_check),
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),

@@ -10,8 +10,9 @@ fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus 
 no single program serialises a popular block's list.
 
 dQ, three ways: recomputed per token (one program per (token, batch, KV head) with the G heads as rows, as the
-forward), dS K from the dS the dK/dV walk stores, or (small groups at head dim <= l') the sum of per-(token,
-slot) partials dS K that the dK/dV walk computes with the K block it holds.
+forward), dS K from the dS the dK/dV walk stores (per token, or per two neighbouring tokens over their blocks'
+union; both in selected_dq.py), or (small groups at head dim <= l') the sum of per-(token, slot) partials dS K
+that the dK/dV walk computes with the K block it holds.
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 """
@@ -24,100 +25,10 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected import _cfg, _consts, token_block_kv, token_group, token_slot_kv
+from nsa_titan.kernels.selected import _cfg, _consts
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
+from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_pair
 from nsa_titan.kernels.tma import kv_specs, launch_tma
-
-
-@triton.jit
-def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.constexpr):
-    """One token's dQ rows (fp32, scaled) into DQ [B, T, HQ, Dk]; ACC: added to what another branch stored."""
-    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
-    if ACC:
-        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
-
-
-@triton.jit
-def _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale):
-    """One tile of keys of the dQ recompute: dq + dS K with dS = P (dP - delta)."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
-
-
-@triton.jit
-def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
-                NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
-    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag); TMA: K, V
-    are descriptors (selected.token_block_kv)."""
-    t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
-                                                                  GR, DK, DKP, DOC)
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
-    dq = tl.zeros([GR, DKP], tl.float32)
-    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    for n0 in range(0, n_used, NPI):
-        if TMA:
-            for j in tl.static_range(NPI):
-                kmask, k, v = token_block_kv(K, V, idx_base, n0 + j, t, s_min, b.to(tl.int32), kv, LP, BS, NSEL,
-                                             DKP, DVP)
-                dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
-        else:
-            kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP,
-                                        BS, NSEL, DK, DV, DKP, DVP)
-            dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
-    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
-
-
-@triton.jit
-def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
-                   NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                   ACC: tl.constexpr, TMA: tl.constexpr):
-    """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
-    block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
-    ACC flag as _sel_bwd_dq. TMA: K is a [B, S, HKV, D] descriptor with [1, BS, 1, D] boxes and DSB a
-    [pairs * G, l'] descriptor with [GR, l'] boxes (BS = l'; rows past G belong to the next slots and only reach dQ
-    rows that are not stored); one block per MMA."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
-    dk = tl.arange(0, DKP)
-    dq = tl.zeros([GR, DKP], tl.float32)
-    pair0 = ((b * HKV + kv) * T + t) * NSEL
-    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
-    # Token t has at most t // l' + 1 candidate blocks, listed first (selected.token_group's n_used; documents
-    # only lower the count, and their slots past it are unused too).
-    for n0 in range(0, tl.minimum(t // LP + 1, NSEL), NPI):
-        if TMA:
-            for j in tl.static_range(NPI):
-                # An unused slot (block -1, or a slot past NSEL) reads K at negative rows (zeros) and dS it never
-                # wrote: zeroed here. Keys past t (or T) have dS = 0 as written by the walk.
-                blk = tl.load(IDX + pair0 + n0 + j, mask=n0 + j < NSEL, other=-1).to(tl.int32)
-                k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
-                ds = DSB.load([((pair0 + n0 + j) * G).to(tl.int32), 0])
-                dq += tl.dot(tl.where(blk >= 0, ds, 0.0).to(k.dtype), k)
-        else:
-            slot = n0 + c // BS
-            blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
-            s_pos = blk * LP + c % BS
-            # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
-            kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
-            k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
-                        mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-            ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
-                         mask=row_ok[:, None] & kmask[None, :], other=0.0)
-            dq += tl.dot(ds, k)
-    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
 
 
 @triton.jit
@@ -331,10 +242,15 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         # never stored. K's box is kv_specs' (V is not read here).
         specs = {0: (k, list(k.shape), list(k.stride()), [1, bs, 1, k.shape[-1]]),
                  1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
-        launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
-                   specs, lq["tma"] and bs == slc_block,
-                   dict(LP=slc_block, BS=bs, NSEL=n, NPI=lq["NPI"], GR=gr, DK=DK, DKP=dkp, ACC=dq_acc is not None,
-                        num_warps=lq["num_warps"], num_stages=lq["num_stages"]))
+        consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=dq_acc is not None,
+                      num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+        if lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 77)
+            launch_tma(_sel_bwd_dq_ds_pair, (triton.cdiv(T, 2), B * HKV),
+                       (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), specs,
+                       lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n)))
+        else:
+            launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
+                       specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))
     elif algo == "partials":
         sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
     return dq, dk, dv

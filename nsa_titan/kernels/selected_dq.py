@@ -1,0 +1,172 @@
+"""The selected branch's token-centric dQ kernels (selected_bwd.sel_bwd launches them): one program per (token,
+batch, KV head) with the G query heads as rows, as the forward.
+
+- _sel_bwd_dq recomputes QK^T and dO V^T per selected block (where the dS buffer does not fit the budget);
+- _sel_bwd_dq_ds multiplies the dS that the dK/dV walk stored by K: one matmul per block, K alone read;
+- _sel_bwd_dq_ds_pair does the same for two neighbouring tokens over the union of their blocks (attempt 77).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nsa_titan.kernels.selected import token_block_kv, token_group, token_slot_kv
+
+
+@triton.jit
+def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.constexpr):
+    """One token's dQ rows (fp32, scaled) into DQ [B, T, HQ, Dk]; ACC: added to what another branch stored."""
+    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
+    if ACC:
+        dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
+def _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale):
+    """One tile of keys of the dQ recompute: dq + dS K with dS = P (dP - delta)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.exp2(tl.where(kmask[None, :], s - lse[:, None], float("-inf")))
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
+                NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
+    """DO and DQ are contiguous [B, T, HQ, D]; ACC: add to DQ (band.py's _band_bwd_dq has the same flag); TMA: K, V
+    are descriptors (selected.token_block_kv)."""
+    t, b, kv, h, row_ok, q, idx_base, s_min, n_used = token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP, NSEL,
+                                                                  GR, DK, DKP, DOC)
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    do = tl.load(DO + ((b * T + t) * (HKV * G) + h[:, None]) * DV + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
+    dq = tl.zeros([GR, DKP], tl.float32)
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    for n0 in range(0, n_used, NPI):
+        if TMA:
+            for j in tl.static_range(NPI):
+                kmask, k, v = token_block_kv(K, V, idx_base, n0 + j, t, s_min, b.to(tl.int32), kv, LP, BS, NSEL,
+                                             DKP, DVP)
+                dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
+        else:
+            kmask, k, v = token_slot_kv(K, V, idx_base, n0, c, t, s_min, b, kv, skb, sks, skh, svb, svs, svh, LP,
+                                        BS, NSEL, DK, DV, DKP, DVP)
+            dq = _dq_step(q, do, lse, delta, k, v, kmask, dq, qk_scale)
+    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
+
+
+@triton.jit
+def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                   NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                   ACC: tl.constexpr, TMA: tl.constexpr):
+    """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
+    block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
+    ACC flag as _sel_bwd_dq. TMA: K is a [B, S, HKV, D] descriptor with [1, BS, 1, D] boxes and DSB a
+    [pairs * G, l'] descriptor with [GR, l'] boxes (BS = l'; rows past G belong to the next slots and only reach dQ
+    rows that are not stored); one block per MMA."""
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
+    dk = tl.arange(0, DKP)
+    dq = tl.zeros([GR, DKP], tl.float32)
+    pair0 = ((b * HKV + kv) * T + t) * NSEL
+    c = tl.arange(0, NPI * BS)  # NPI selected blocks per step: key c is position c % BS of slot c // BS
+    # Token t has at most t // l' + 1 candidate blocks, listed first (selected.token_group's n_used; documents
+    # only lower the count, and their slots past it are unused too).
+    for n0 in range(0, tl.minimum(t // LP + 1, NSEL), NPI):
+        if TMA:
+            for j in tl.static_range(NPI):
+                # An unused slot (block -1, or a slot past NSEL) reads K at negative rows (zeros) and dS it never
+                # wrote: zeroed here. Keys past t (or T) have dS = 0 as written by the walk.
+                blk = tl.load(IDX + pair0 + n0 + j, mask=n0 + j < NSEL, other=-1).to(tl.int32)
+                k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
+                ds = DSB.load([((pair0 + n0 + j) * G).to(tl.int32), 0])
+                dq += tl.dot(tl.where(blk >= 0, ds, 0.0).to(k.dtype), k)
+        else:
+            slot = n0 + c // BS
+            blk = tl.load(IDX + pair0 + slot, mask=slot < NSEL, other=-1)
+            s_pos = blk * LP + c % BS
+            # Unused slots (block -1) were never written; keys past t or before the document have dS = 0.
+            kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
+            k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                        mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+            ds = tl.load(DSB + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
+                         mask=row_ok[:, None] & kmask[None, :], other=0.0)
+            dq += tl.dot(ds, k)
+    _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
+
+
+@triton.jit
+def _sel_bwd_dq_ds_pair(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                        NSEL: tl.constexpr, NP: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                        ACC: tl.constexpr, TMA: tl.constexpr):
+    """_sel_bwd_dq_ds for two neighbouring tokens, t0 = 2 * program and t1 = t0 + 1, over the union of their blocks
+    (attempt 77): a block both chose has its K tile loaded once (K is what this L2-bound kernel reads) and multiplied
+    by each token's dS in that token's own MMA, so no row is masked out. First t0's used slots, with t1's dS where t1
+    chose the block too (zeros where not), then t1's other slots. t1's blocks are summed in another order than
+    _sel_bwd_dq_ds's (rounding only)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t0 = 2 * pid
+    g = tl.arange(0, GR)
+    row_ok = g < G
+    h = kv * G + g
+    dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
+    pair0 = ((b * HKV + kv) * T + t0) * NSEL  # t0's first (token, slot) pair; t1's is pair0 + NSEL
+    # (masks from vectors only: the interpreter mis-types bool scalars)
+    i0 = tl.load(IDX + pair0 + j, mask=j < NSEL, other=-1).to(tl.int32)
+    i1 = tl.load(IDX + pair0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
+    dq0 = tl.zeros([GR, DKP], tl.float32)
+    dq1 = tl.zeros([GR, DKP], tl.float32)
+    for s in range(0, tl.sum((i0 >= 0).to(tl.int32), 0)):  # used slots come first (select.py sorts them so)
+        blk = tl.load(IDX + pair0 + s).to(tl.int32)
+        hit = i1 == blk
+        k = _pair_k(K, b, kv, blk, c, dk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        both = g * 0 + tl.sum(hit.to(tl.int32), 0)
+        ds1 = _pair_ds(DSB, pair0 + NSEL + tl.sum(tl.where(hit, j, 0), 0), g, c, row_ok & (both > 0), G, LP, TMA)
+        dq0 += tl.dot(_pair_ds(DSB, pair0 + s, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
+        dq1 += tl.dot(tl.where((both > 0)[:, None], ds1, 0.0).to(k.dtype), k)
+    # t1's slots whose block t0 did not choose, in slot order (their indices sorted first, the rest pushed past)
+    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
+    order = tl.sort(tl.where(extra, j, 1 << 30))
+    for e in range(0, tl.sum(extra.to(tl.int32), 0)):
+        s1 = tl.sum(tl.where(j == e, order, 0), 0)
+        blk = tl.load(IDX + pair0 + NSEL + s1).to(tl.int32)
+        k = _pair_k(K, b, kv, blk, c, dk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        dq1 += tl.dot(_pair_ds(DSB, pair0 + NSEL + s1, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
+    _store_dq(DQ, dq0 * sm_scale, b, t0, h, row_ok, dk, T, G, HKV, DK, ACC)
+    _store_dq(DQ, dq1 * sm_scale, b, t0 + 1, h, row_ok & (g * 0 + t0 + 1 < T), dk, T, G, HKV, DK, ACC)
+
+
+@triton.jit
+def _pair_k(K, b, kv, blk, c, dk, T, skb, sks, skh, LP: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr,
+            DKP: tl.constexpr, TMA: tl.constexpr):
+    """A used slot's K tile [BS, DKP] (keys past T read as zeros; their dS is 0 too)."""
+    if TMA:
+        k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
+    else:
+        s_pos = blk * LP + c
+        k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
+                    mask=((c < LP) & (s_pos < T))[:, None] & (dk[None, :] < DK), other=0.0)
+    return k
+
+
+@triton.jit
+def _pair_ds(DSB, pair, g, c, rows, G, LP: tl.constexpr, TMA: tl.constexpr):
+    """The dS the dK/dV walk stored for one (token, slot) pair, [GR, BS] (rows past G: zeros with pointers, the next
+    slots' with descriptors; neither reaches a stored dQ row). ``rows``: which rows to read (pointer loads only)."""
+    if TMA:
+        ds = DSB.load([(pair * G).to(tl.int32), 0])
+    else:
+        ds = tl.load(DSB + (pair * G + g[:, None]) * LP + c[None, :], mask=rows[:, None] & (c < LP)[None, :],
+                     other=0.0)
+    return ds
