@@ -81,7 +81,13 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                # at 4, no spills (the one-token kernel: 128 / 80)
                dict(_v(1, w=2), algo="ds", tma=True, pairs=True),
                dict(_v(1, w=2, st=3), algo="ds", tma=True, pairs=True),
-               dict(_v(1, w=4), algo="ds", tma=True, pairs=True)],
+               dict(_v(1, w=4), algo="ds", tma=True, pairs=True),
+               # dQ recomputed for two neighbouring tokens over their blocks' union (attempt 78; against 7): K and V
+               # of a shared block loaded once, each token's MMAs only on its own blocks. Offline sm_90, 1b shape,
+               # descriptors: 234 / 128 registers at 4 / 8 warps, no spills (2 warps spill 528 B)
+               dict(_v(1, w=4), algo="recompute", tma=True, pairs=True),
+               dict(_v(1, w=4, st=3), algo="recompute", tma=True, pairs=True),
+               dict(_v(1, w=8), algo="recompute", tma=True, pairs=True)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),

@@ -27,7 +27,7 @@ from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
-from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_pair
+from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_pair, _sel_bwd_dq_pair
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
@@ -199,11 +199,15 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     ds = delta if doc_start is None else doc_start  # any tensor when there are no documents (never read)
     algo = lq.get("algo", "recompute")
     if algo == "recompute":
-        launch_tma(_sel_bwd_dq, (T, B * HKV), (q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV,
-                                               DK**-0.5 * LOG2E, DK**-0.5),
-                   kv_specs(k, v, c["BS"]), lq["tma"], dict(GR=max(16, pow2(G)), NPI=lq["NPI"], **c,
-                                                            ACC=dq_acc is not None, DOC=doc_start is not None,
-                                                            num_warps=lq["num_warps"], num_stages=lq["num_stages"]))
+        consts = dict(GR=max(16, pow2(G)), **c, ACC=dq_acc is not None, DOC=doc_start is not None,
+                      num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+        args = (q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV, DK**-0.5 * LOG2E, DK**-0.5)
+        if lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 78)
+            launch_tma(_sel_bwd_dq_pair, (triton.cdiv(T, 2), B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
+                       dict(consts, NP=pow2(n)))
+        else:
+            launch_tma(_sel_bwd_dq, (T, B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
+                       dict(consts, NPI=lq["NPI"]))
     # dK/dV block-centric: the (block, token, slot) triples sorted by block, every block's list cut into chunks
     # of <= ch pairs, one program per chunk (no block walks a long list alone: at 8k block 1 is chosen by ~3x
     # the average, which made the kernel 2x slower per sequence at batch 1 than at batch 4).
