@@ -10,9 +10,9 @@ fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus 
 no single program serialises a popular block's list.
 
 dQ, three ways: recomputed per token (one program per (token, batch, KV head) with the G heads as rows, as the
-forward), dS K from the dS the dK/dV walk stores (per token, or per two neighbouring tokens over their blocks'
-union; both in selected_dq.py), or (small groups at head dim <= l') the sum of per-(token, slot) partials dS K
-that the dK/dV walk computes with the K block it holds.
+forward), dS K from the dS the dK/dV walk stores (both in selected_dq.py, each also for two neighbouring tokens
+over their blocks' union), or (small groups at head dim <= l') the sum of per-(token, slot) partials dS K that
+the dK/dV walk computes with the K block it holds.
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 """
