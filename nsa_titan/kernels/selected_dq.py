@@ -122,13 +122,10 @@ def _sel_bwd_dq_ds_pair(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP:
     row_ok = g < G
     h = kv * G + g
     dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
-    pair0 = ((b * HKV + kv) * T + t0) * NSEL  # t0's first (token, slot) pair; t1's is pair0 + NSEL
-    # (masks from vectors only: the interpreter mis-types bool scalars)
-    i0 = tl.load(IDX + pair0 + j, mask=j < NSEL, other=-1).to(tl.int32)
-    i1 = tl.load(IDX + pair0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
+    pair0, i1, n0, order, n_extra = _pair_lists(IDX, b, kv, t0, T, HKV, NSEL, NP)
     dq0 = tl.zeros([GR, DKP], tl.float32)
     dq1 = tl.zeros([GR, DKP], tl.float32)
-    for s in range(0, tl.sum((i0 >= 0).to(tl.int32), 0)):  # used slots come first (select.py sorts them so)
+    for s in range(0, n0):
         blk = tl.load(IDX + pair0 + s).to(tl.int32)
         hit = i1 == blk
         k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
@@ -136,10 +133,7 @@ def _sel_bwd_dq_ds_pair(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP:
         ds1 = _pair_ds(DSB, pair0 + NSEL + tl.sum(tl.where(hit, j, 0), 0), g, c, row_ok & (both > 0), G, LP, TMA)
         dq0 += tl.dot(_pair_ds(DSB, pair0 + s, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
         dq1 += tl.dot(tl.where((both > 0)[:, None], ds1, 0.0).to(k.dtype), k)
-    # t1's slots whose block t0 did not choose, in slot order (their indices sorted first, the rest pushed past)
-    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
-    order = tl.sort(tl.where(extra, j, 1 << 30))
-    for e in range(0, tl.sum(extra.to(tl.int32), 0)):
+    for e in range(0, n_extra):  # t1's slots whose block t0 did not choose
         s1 = tl.sum(tl.where(j == e, order, 0), 0)
         blk = tl.load(IDX + pair0 + NSEL + s1).to(tl.int32)
         k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
@@ -167,12 +161,10 @@ def _sel_bwd_dq_pair(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, s
                                                      DK, DV, DKP, DVP, DOC)
     ok1, q1, do1, lse1, delta1, s_min1 = _pair_token(Q, DO, LSE, DELTA, DS, sqb, sqt, sqh, b, t0 + 1, h, g < G, T, G,
                                                      HKV, DK, DV, DKP, DVP, DOC)
-    pair0 = ((b * HKV + kv) * T + t0) * NSEL  # t0's first (token, slot) pair; t1's is pair0 + NSEL
-    i0 = tl.load(IDX + pair0 + j, mask=j < NSEL, other=-1).to(tl.int32)
-    i1 = tl.load(IDX + pair0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
+    pair0, i1, n0, order, n_extra = _pair_lists(IDX, b, kv, t0, T, HKV, NSEL, NP)
     dq0 = tl.zeros([GR, DKP], tl.float32)
     dq1 = tl.zeros([GR, DKP], tl.float32)
-    for s in range(0, tl.sum((i0 >= 0).to(tl.int32), 0)):  # used slots come first (select.py sorts them so)
+    for s in range(0, n0):
         blk = tl.load(IDX + pair0 + s).to(tl.int32)
         k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
         v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
@@ -181,10 +173,7 @@ def _sel_bwd_dq_pair(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, s
         if tl.sum((i1 == blk).to(tl.int32), 0) > 0:  # t1 chose it too
             dq1 = _dq_step(q1, do1, lse1, delta1, k, v, (c < LP) & (s_pos <= t0 + 1) & (s_pos >= s_min1), dq1,
                            qk_scale)
-    # t1's slots whose block t0 did not choose, in slot order (their indices sorted first, the rest pushed past)
-    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
-    order = tl.sort(tl.where(extra, j, 1 << 30))
-    for e in range(0, tl.sum(extra.to(tl.int32), 0)):
+    for e in range(0, n_extra):  # t1's slots whose block t0 did not choose
         blk = tl.load(IDX + pair0 + NSEL + tl.sum(tl.where(j == e, order, 0), 0)).to(tl.int32)
         k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
         v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
@@ -192,6 +181,21 @@ def _sel_bwd_dq_pair(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, s
         dq1 = _dq_step(q1, do1, lse1, delta1, k, v, (c < LP) & (s_pos <= t0 + 1) & (s_pos >= s_min1), dq1, qk_scale)
     _store_dq(DQ, dq0 * sm_scale, b, t0, h, ok0, dk, T, G, HKV, DK, ACC)
     _store_dq(DQ, dq1 * sm_scale, b, t0 + 1, h, ok1, dk, T, G, HKV, DK, ACC)
+
+
+@triton.jit
+def _pair_lists(IDX, b, kv, t0, T, HKV, NSEL: tl.constexpr, NP: tl.constexpr):
+    """The selections of a token pair t0, t1 = t0 + 1 for the pair kernels: (pair0, t0's first (token, slot) pair,
+    t1's is pair0 + NSEL; i1, t1's blocks [NP], -1 unused or past T; n0, t0's used slots, which come first as
+    select.py sorts them; order, n_extra: t1's slots whose block t0 did not choose, their indices sorted first)."""
+    j = tl.arange(0, NP)
+    pair0 = ((b * HKV + kv) * T + t0) * NSEL
+    # (masks from vectors only: the interpreter mis-types bool scalars)
+    i0 = tl.load(IDX + pair0 + j, mask=j < NSEL, other=-1).to(tl.int32)
+    i1 = tl.load(IDX + pair0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
+    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
+    order = tl.sort(tl.where(extra, j, 1 << 30))
+    return pair0, i1, tl.sum((i0 >= 0).to(tl.int32), 0), order, tl.sum(extra.to(tl.int32), 0)
 
 
 @triton.jit
