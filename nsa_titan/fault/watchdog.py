@@ -251,6 +251,10 @@ class Watchdog:
     def _exit_on_peer(self, what: str) -> None:
         self.fired = what
         self._say(f"[rank {self.rank}] PEER FAILURE: {what}; exiting instead of waiting in a collective")
+        # Every rank's last heartbeat, as the training loop prints them when it names the peer itself: which of the
+        # two threads reports first is a race (a collective that fails at once, or one that blocks).
+        self._say(f"[rank {self.rank}] heartbeats: "
+                  f"{describe_peers(self.heartbeat_dir, self.world_size, self.run_id, self.rank)}")
         self.status = "peer_failed"
         self._write_heartbeat(what)
         self._exit(EXIT_PEER_FAILED)
