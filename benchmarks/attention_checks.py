@@ -251,12 +251,13 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def check(cases):
+def check(cases, dq_buffer_bytes: int | None = None):
+    """``dq_buffer_bytes``: the selected backward's dS budget (None: the default; 0 checks the dQ recompute)."""
     names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
     results = []
     for case in cases:
         try:
-            results.append(check_one(*case, names))
+            results.append(check_one(*case, names, dq_buffer_bytes))
         except Exception as e:  # keep going: one failing shape must not hide the others
             print(f"check {case[:6]} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
             results.append(dict(B=case[0], T=case[1], HQ=case[2], HKV=case[3], DK=case[4], DV=case[5], ok=False,
@@ -266,15 +267,16 @@ def check(cases):
     return results
 
 
-def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names):
+def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names, dq_buffer_bytes=None):
     ins = make_inputs(B, T, HQ, HKV, DK, DV, p, seed=T + HQ)
     xs = [x.detach().requires_grad_(True) for x in ins]
     dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
-    out, idx = nsa_attention(*xs, p)
+    kw = {} if dq_buffer_bytes is None else dict(dq_buffer_bytes=dq_buffer_bytes)
+    out, idx = nsa_attention(*xs, p, **kw)
     out.backward(dout)
     grads = [x.grad for x in xs]
     xs2 = [x.detach().requires_grad_(True) for x in ins]
-    out2, _ = nsa_attention(*xs2, p)
+    out2, _ = nsa_attention(*xs2, p, **kw)
     out2.backward(dout)
     determ = all(torch.equal(a, b.grad) for a, b in zip(grads, xs2))
     ref, rgrads, gap, same = chunked_reference(ins, idx, dout, p, chunk)

@@ -307,6 +307,7 @@ def write(out_dir, payload):
             f"{k}: {fmt(v['default_ms'], '.2f')} -> {fmt(v['best_ms'], '.2f')} {v['best']}"
             for k, v in payload["sweep"].items())]
     if payload.get("check"):
+        lines += ["", payload["check_note"]] if payload.get("check_note") else []
         lines += ["", "| check (bf16 vs float64) | ok | worst rel err | deterministic | sel gap | sel same rows |",
                   "|---|---|---|---|---|---|"]
         for r in payload["check"]:
@@ -330,7 +331,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tune launch shapes at paper 64k first, then use them")
     ap.add_argument("--from-json", help="only rewrite the markdown of an earlier run's JSON (no GPU needed)")
     ap.add_argument("--dq-buffer-gib", type=float, default=selected.DS_BUDGET / 2**30,
-                    help="bench: the selected backward's dS / dQ-partials budget (the model's dq_buffer_gib)")
+                    help="bench and check: the selected backward's dS / dQ-partials budget (the model's "
+                         "dq_buffer_gib; check with 0 to hold the dQ recompute to float64)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     if a.dq_buffer_gib < 0:
@@ -353,7 +355,10 @@ def main():
                  (8, 2048, 12, 2, 64, 64, M7C["p"], 1024)]  # m7c's 2k batch 8: the selected branch's causal prefix
         if not a.quick:
             cases.append((1, 65536, 16, 1, 128, 128, PAPER["p"], 512))
-        payload["check"] = check(cases)
+        budget = int(a.dq_buffer_gib * 2**30)
+        if budget != selected.DS_BUDGET:
+            payload["check_note"] = f"checked with dq_buffer_gib = {a.dq_buffer_gib:g}"
+        payload["check"] = check(cases, budget)
     if a.bench:
         Ts = [int(t) for t in a.ts.split(",")]
         budget = int(a.dq_buffer_gib * 2**30)

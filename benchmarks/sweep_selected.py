@@ -54,14 +54,31 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                 dict(algo="blocks", rows=128, num_warps=8, num_stages=1),
                 dict(algo="blocks", rows=128, num_warps=4, num_stages=2),
                 dict(algo="blocks", rows=32, num_warps=4, num_stages=1),
-                # two neighbouring tokens per program over their blocks' union (selected._sel_fwd_pair, attempt 74:
-                # ~0.73x the K/V bytes of one token per program on random selections, 1.46x the MMA rows). Offline
-                # sm_90, 1b shape, descriptors: 246 / 193 / 147 registers at 2 / 4 / 8 warps, no spills
-                dict(algo="pairs", tma=True, num_warps=2, num_stages=2),
-                dict(algo="pairs", tma=True, num_warps=2, num_stages=3),
-                dict(algo="pairs", tma=True, num_warps=4, num_stages=2),
-                dict(algo="pairs", tma=True, num_warps=4, num_stages=3),
-                dict(algo="pairs", tma=True, num_warps=8, num_stages=2)],
+                # two neighbouring tokens per program over their blocks' union (attempt 74: ~0.73x the K/V bytes of
+                # one token per program on random selections, 1.46x the MMA rows). Until the nineteenth session the
+                # kernel selected._sel_fwd_pair (offline sm_90, 1b shape, descriptors: 246 / 193 / 147 registers at 2
+                # / 4 / 8 warps), since then _sel_fwd_tokens with NT 2 (4-5 % faster, its branch-free walk)
+                dict(algo="tokens", NT=2, tma=True, num_warps=2, num_stages=2),
+                dict(algo="tokens", NT=2, tma=True, num_warps=2, num_stages=3),
+                dict(algo="tokens", NT=2, tma=True, num_warps=4, num_stages=2),
+                dict(algo="tokens", NT=2, tma=True, num_warps=4, num_stages=3),
+                dict(algo="tokens", NT=2, tma=True, num_warps=8, num_stages=2),
+                # NT neighbouring tokens per program over their blocks' union (selected._sel_fwd_tokens, attempt 79):
+                # at G 16 and NT 4 the tile is 64 rows, one warpgroup's wgmma. Offline sm_90, 1b shape, descriptors:
+                # NT 4 182 registers at 4 warps / 2 or 3 stages, 225 with 1 stage, 170 at 8 warps; NT 8 at 8 warps
+                # 255 and 16 B of stack; NT 2 (the pair kernel's tile, branch-free walk) 225 at 2 warps
+                dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=2),
+                dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=3),
+                dict(algo="tokens", NT=4, tma=True, num_warps=8, num_stages=2),
+                dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=1),
+                dict(algo="tokens", NT=8, tma=True, num_warps=8, num_stages=2),
+                dict(algo="tokens", NT=2, tma=True, num_warps=2, num_stages=2),  # = 19 (the pair kernel's row then)
+                # small groups (m7c's G 6, qwen7b's G 7: 8 rows a token): NT 8 fills 64 rows; against 14, the
+                # block-centric default there. Offline sm_90, m7c shape: NT 8 160 / 163 registers at 2 / 3 stages
+                # (selected.union_walk's per-token listing; 254 pairwise), NT 4 167
+                dict(algo="tokens", NT=8, tma=True, num_warps=4, num_stages=2),
+                dict(algo="tokens", NT=8, tma=True, num_warps=4, num_stages=3),
+                dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=3)],
     # dQ = dS K from the dS the dK/dV walk stores ('ds', the default when its buffer fits selected.DS_BUDGET),
     # or recomputed per token; each timed as the whole selected backward
     # (2 warps with pointer loads, ds and recompute, lost at 1b and paper 8k / 32k: sweep_selected_dq_w2_s16_*.)
@@ -87,7 +104,16 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                # descriptors: 236 / 145 registers at 4 / 8 warps, no spills (2 warps spill 536 B)
                dict(_v(1, w=4), algo="recompute", tma=True, pairs=True),
                dict(_v(1, w=4, st=3), algo="recompute", tma=True, pairs=True),
-               dict(_v(1, w=8), algo="recompute", tma=True, pairs=True)],
+               dict(_v(1, w=8), algo="recompute", tma=True, pairs=True),
+               # four neighbouring tokens as one 64-row tile over their blocks' union (selected_dq, attempt 80): from
+               # the stored dS (dS by pointers, K by descriptor) and recomputed. Offline sm_90, 1b shape: ds 128 / 80
+               # registers at 4 / 8 warps; recompute 207 (2 stages) / 227 (3) at 4 warps, 145 at 8; no spills
+               dict(algo="ds", NT=4, tma=True, num_warps=4, num_stages=2),
+               dict(algo="ds", NT=4, tma=True, num_warps=4, num_stages=3),
+               dict(algo="ds", NT=4, tma=True, num_warps=8, num_stages=2),
+               dict(algo="recompute", NT=4, tma=True, num_warps=4, num_stages=2),
+               dict(algo="recompute", NT=4, tma=True, num_warps=4, num_stages=3),
+               dict(algo="recompute", NT=4, tma=True, num_warps=8, num_stages=2)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),
@@ -152,7 +178,9 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
     G = HQ // HKV
     jobs = {
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
-        "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dq=c)[:1],
+        # (a variant without pairs / NT means one token per program, whatever tuned.py's default)
+        "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block,
+                                                 cfg_dq=dict(pairs=False, NT=1, **c))[:1],
         "sel_dkdv": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
         "select": lambda c: (torch.sort(select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
                                                              p.slc_top_n, cfg=c), -1).values,),
@@ -171,7 +199,7 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
         print(f"{name} T={T} B={B} {kname}: default {res[0].get('ms')} ms, best {best and best['ms']} ms "
               f"{best and best['cfg']}; all "
               + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{'t' if r['cfg'].get('tma') else ''}"
-                          f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', '-')}/"
+                          f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', r['cfg'].get('NT', '-'))}/"
                           f"{r['cfg'].get('chunk_tiles', '-')}/"
                           f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"

@@ -390,34 +390,46 @@ def _sel_tma_check(device):
             "unequal_one_block": unequal_one_block}
 
 
-def _sel_pairs_check(device):
-    """The token forward for two neighbouring tokens over their blocks' union (selected._sel_fwd_pair, attempt 74)
-    against one token per program, every case (odd T: the last pair has one token; documents; fp16), with pointer
-    loads and with descriptors: the same keys per row, t1's blocks in another order, so a float bound. The
-    descriptor form may not fall back (launch_tma's warning is an error here) where the head dims allow it."""
+def _sel_tokens_check(device):
+    """The token forward for NT = 4 and 8 neighbouring tokens over their blocks' union (selected._sel_fwd_tokens,
+    attempt 79; selected.union_walk lists the union one way up to NT 4 and another beyond) against one token per
+    program, every case (T not a multiple of NT leaves a last group of fewer tokens; documents; fp16; groups of
+    1-16 heads, each token's rows padded so that the tile has >= 16), with pointer loads (NT 4 also with
+    descriptors): the same keys per row, the later tokens' blocks in another order, so a float bound. A block chosen
+    by a later token only is walked with its rows alone. The descriptor form may not fall back (launch_tma's warning
+    is an error here) where the head dims allow it."""
+    # (NT 8 with pointer loads only: NT 4 runs the same kernel's descriptor path, and the interpreter is slow)
+    runs = {nt: _sel_union_check(device, dict(algo="tokens", NT=nt), descriptors=nt == 4) for nt in (4, 8)}
+    return {"ok": all(r["ok"] for r in runs.values()), **{f"NT{nt}": r for nt, r in runs.items()}}
+
+
+def _sel_union_check(device, cfg, descriptors=True):
     import torch
 
     from nsa_titan.kernels import selected, tma
 
-    worst, ran = {}, 0
+    worst, ran, cases = {}, 0, 0
     with _no_descriptor_fallback():
         for case in CASES + DOC_CASES:
             if (x := _sel_inputs(case, device)) is None:
                 continue
+            cases += 1
             lp = x["p"].slc_block
             boxes = all(tma.descriptor(*sp) is not None for sp in tma.kv_specs(x["ks"], x["vs"], 16).values())
             ref = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], lp, cfg=dict(algo="token", NPI=1),
                                    doc_start=x["doc"])
-            for use in (False, True) if boxes else (False,):
+            for use in (False, True) if boxes and descriptors else (False,):
                 o, lse = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], lp,
-                                          cfg=dict(algo="pairs", tma=use), doc_start=x["doc"])
+                                          cfg=dict(cfg, tma=use), doc_start=x["doc"])
                 fin = torch.isfinite(ref[1])
                 ran += 1
                 worst[case[0], use] = max(rel_err(o, ref[0]), rel_err(torch.where(fin, lse, 0.0),
                                                                       torch.where(fin, ref[1], 0.0)),
                                           float((torch.isfinite(lse) != fin).any()))
     bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES}
-    return {"ok": ran >= len(CASES) + len(DOC_CASES) and all(w < bound[k[0]] for k, w in worst.items()),
+    # every case with inputs ran (all but short_T, whose T has no compressed token)
+    return {"ok": cases >= len(CASES) + len(DOC_CASES) - 1 and len({k[0] for k in worst}) == cases
+            and all(w < bound[k[0]] for k, w in worst.items()),
             "ran": ran, "worst": {f"{k[0]}{'_tma' if k[1] else ''}": w for k, w in worst.items()}}
 
 
@@ -501,6 +513,42 @@ def _sel_dq_pairs_check(device):
     ran = {(algo, use) for _, algo, use in worst}
     return {"ok": ran == {("recompute", False), ("recompute", True), ("ds", False), ("ds", True)}
             and len({k[0] for k in worst}) >= 6 and all(w < bound[k[0]] for k, w in worst.items()),
+            "skipped": skipped, "worst": {f"{k[0]}_{k[1]}{'_tma' if k[2] else ''}": w for k, w in worst.items()}}
+
+
+def _sel_dq_tokens_check(device):
+    """dQ for four neighbouring tokens as one tile (selected_dq, attempt 80: _sel_bwd_dq_ds_tokens from the stored
+    dS, _sel_bwd_dq_tokens recomputed) against one token per program from the stored dS (the paths agree to 1e-5 in
+    fp32: sel_bwd_paths), every case whose groups of four chose different blocks (T not a multiple of 4; documents;
+    fp16), pointer loads, and K (and V) through descriptors in the G 16 case with free slots: each token's blocks
+    summed in another order, so a float bound."""
+    from nsa_titan.kernels import selected_bwd
+
+    def groups_differ(idx):  # some group of 4 tokens chose different blocks: the union code runs
+        t = idx.shape[2] - idx.shape[2] % 4
+        g = idx[:, :, :t].sort(-1).values.unflatten(2, (t // 4, 4))
+        return bool((g != g[:, :, :, :1]).any())
+
+    worst, skipped = {}, []
+    with _no_descriptor_fallback():
+        for case in CASES + DOC_CASES + DS_TMA_CASES[-1:]:
+            if (x := _sel_inputs(case, device)) is None:
+                continue
+            if not groups_differ(x["idx"]):
+                skipped.append(case[0])
+                continue
+            lp = x["p"].slc_block
+            ref = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
+                                       cfg_dq=dict(algo="ds", NPI=1, tma=False, pairs=False, NT=1),
+                                       doc_start=x["doc"])[0]
+            for algo in ("ds", "recompute"):
+                for use in (False, True) if case in DS_TMA_CASES else (False,):
+                    got = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
+                                               cfg_dq=dict(algo=algo, NT=4, tma=use), doc_start=x["doc"])[0]
+                    worst[case[0], algo, use] = rel_err(got, ref)
+    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES + DS_TMA_CASES}
+    ran = {(algo, use) for _, algo, use in worst}
+    return {"ok": len({k[0] for k in worst}) >= 6 and len(ran) == 4 and all(w < bound[k[0]] for k, w in worst.items()),
             "skipped": skipped, "worst": {f"{k[0]}_{k[1]}{'_tma' if k[2] else ''}": w for k, w in worst.items()}}
 
 
@@ -757,8 +805,9 @@ def _decode_fused_check(device):
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check),
-          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_pairs", _sel_pairs_check),
+          ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_tokens", _sel_tokens_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_pairs", _sel_dq_pairs_check),
+          ("sel_dq_tokens", _sel_dq_tokens_check),
           ("select_merge", _select_merge_check),
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),

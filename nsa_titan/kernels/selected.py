@@ -7,9 +7,9 @@ whole group. Keys s > t are masked, which only bites in the token's own block. D
 doc_start [B, T] int32): keys before the token's document are masked.
 
 For small groups (G <= 8) the forward runs block-centric instead (selected_blocks.py). For G 16 at head dim 128
-(tuned.py: the 1b, the paper config) it takes two neighbouring tokens per program over the union of their blocks
-(_sel_fwd_pair): a block both chose is loaded once, which pays on a model's selections (they overlap more than
-random ones; notes attempt 74).
+(tuned.py: the 1b, the paper config) it takes four neighbouring tokens per program over the union of their blocks
+(_sel_fwd_tokens): a block several chose is loaded once, and the four tokens' 64 rows fill one warpgroup's MMA
+(notes attempts 74 and 79; neighbours' selections overlap, a trained model's more than random ones).
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ def _sel_fwd(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, s
 
 
 @triton.jit
-def _pair_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, svh, m_i, l_i, acc, qk_scale, T,
-                LP: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr, TMA: tl.constexpr):
-    """One selected block (blk >= 0) against a token pair's rows: row i sees key s when s <= tok[i], s >= s_min[i]
-    and live[i] (its token selected the block). Keys past T are loaded as zeros (a hidden key's V still meets P = 0
-    in the MMA, and 0 * NaN would poison the row)."""
+def _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, svh, m_i, l_i, acc, qk_scale, T,
+                 LP: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                 DVP: tl.constexpr, TMA: tl.constexpr):
+    """One selected block (blk >= 0) against a token group's rows (_sel_fwd_tokens): row i sees key s when
+    s <= tok[i], s >= s_min[i] and live[i] (its token selected the block). Keys past T are loaded as zeros (a hidden
+    key's V still meets P = 0 in the MMA, and 0 * NaN would poison the row)."""
     r = tl.arange(0, BS)
     s_pos = blk * LP + r
     if TMA:
@@ -135,21 +135,53 @@ def _pair_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, 
 
 
 @triton.jit
-def _sel_fwd_pair(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-                  T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
-                  GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-                  DOC: tl.constexpr, TMA: tl.constexpr):
-    """The token forward for two neighbouring tokens at once (attempt 74): t0 = 2 * program and t1 = t0 + 1, their
-    G heads as the two halves of one [2 GR, D] tile, walking the union of their selected blocks so that a block both
-    chose is loaded once (neighbours share about half their blocks: |union| / n ~ 1.5 for two tokens). First t0's
-    used slots, t1's rows joining where t1 chose the block too; then t1's blocks that t0 did not choose, t0's rows
-    masked. Same sums per row as _sel_fwd, t1's blocks in another order (rounding only)."""
+def union_walk(IDX, b, kv, t0, T, HKV, NSEL: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr):
+    """The union of NT neighbouring tokens' blocks (t0 .. t0 + NT - 1), listed once per program for the
+    multi-token kernels (_sel_fwd_tokens, selected_dq): entry e = token e // NP's slot e % NP is walked when no
+    earlier token of the group chose its block, token by token in slot order. -> (n_walk, rank, packed): step w of
+    the walk is the entry with rank == w, its packed value block * 2^NT + the bits of the tokens that chose the block
+    (rank -1, packed 0 elsewhere). Branch-free: the entries compared pairwise ([NT n, NT n]) up to NT 4, beyond
+    that with each token's list in turn ([NT n, n] at a time). Offline sm_90: the pairwise form keeps the 1b's NT 4
+    forward at 182 registers (255 the other way), the other keeps m7c's NT 8 at 160 (254)."""
+    e = tl.arange(0, NT * NP)
+    eu, ej = e // NP, e % NP
+    base = ((b * HKV + kv) * T + t0) * NSEL
+    blk = tl.load(IDX + base + eu * NSEL + ej, mask=(ej < NSEL) & (t0 + eu < T), other=-1).to(tl.int32)
+    first = blk >= 0  # -1: unused, or a token past T
+    if NT <= 4:
+        same = (blk[:, None] == blk[None, :]) & first[:, None]  # a list has no repeats
+        first = first & (tl.sum((same & (eu[None, :] < eu[:, None])).to(tl.int32), 1) == 0)
+        bits = tl.sum(tl.where(same, (eu * 0 + 1)[None, :] << eu[None, :], 0), 1)  # which tokens chose its block
+    else:
+        j = tl.arange(0, NP)
+        bits = eu * 0
+        for w in tl.static_range(NT):
+            lw = tl.load(IDX + base + w * NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + w < T), other=-1).to(tl.int32)
+            chose = (tl.sum((blk[:, None] == lw[None, :]).to(tl.int32), 1) > 0) & (blk >= 0)  # token w chose it
+            first = first & ~(chose & (eu > w))
+            bits = bits | tl.where(chose, 1 << w, 0)
+    rank = tl.where(first, tl.cumsum(first.to(tl.int32), 0) - 1, -1)
+    return tl.sum(first.to(tl.int32), 0), rank, tl.where(first, blk * (1 << NT) + bits, 0)
+
+
+@triton.jit
+def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+                    T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
+                    NT: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                    DVP: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
+    """The token forward for NT neighbouring tokens at once (attempts 74 and 79; NT 2 was a kernel of its own until
+    the nineteenth session): tokens t0 = NT * program .. t0 + NT - 1, their G heads as NT row groups of one
+    [NT GR, D] tile (NT GR = 64 at G 16 and NT 4: one warpgroup's MMA rows), walking the union of their blocks so
+    that a block is loaded once however many of them chose it. The union is listed once per program: entry (u, j) =
+    token u's slot j is walked when no earlier token of the group chose its block, token by token in slot order (t0's
+    blocks in _sel_fwd's order), with the rows of every token that chose it; the walk reads each entry's block and
+    its tokens' bits from one packed vector, so the loop has no branch."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = 2 * pid
-    rr = tl.arange(0, 2 * GR)
-    second = rr >= GR
-    tok = t0 + second.to(tl.int32)
+    t0 = NT * pid
+    rr = tl.arange(0, NT * GR)
+    u = rr // GR  # the row's token in the group
+    tok = t0 + u
     g = rr % GR
     row_ok = (g < G) & (tok < T)
     h = kv * G + g
@@ -159,27 +191,15 @@ def _sel_fwd_pair(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, s
     s_min = tok * 0
     if DOC:
         s_min = tl.load(DS + b * T + tok, mask=row_ok, other=0)
-    j = tl.arange(0, NP)
-    base0 = ((b * HKV + kv) * T + t0) * NSEL
-    i0 = tl.load(IDX + base0 + j, mask=j < NSEL, other=-1).to(tl.int32)
-    # (masks from vectors only: the interpreter mis-types bool scalars)
-    i1 = tl.load(IDX + base0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
-    n0 = tl.sum((i0 >= 0).to(tl.int32), 0)  # used slots come first (select.py sorts them before the unused)
-    m_i = tl.full([2 * GR], -1e30, tl.float32)
-    l_i = tl.zeros([2 * GR], tl.float32)
-    acc = tl.zeros([2 * GR, DVP], tl.float32)
-    for s in range(0, n0):
-        blk = tl.load(IDX + base0 + s).to(tl.int32)
-        both = rr * 0 + tl.sum((i1 == blk).to(tl.int32), 0)  # t1 chose it too (> 0)
-        m_i, l_i, acc = _pair_block(q, K, V, blk, tok, s_min, row_ok & (~second | (both > 0)), b, kv, skb, sks, skh,
-                                    svb, svs, svh, m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
-    # t1's blocks that t0 did not choose, first in ascending order (the rest pushed past them)
-    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
-    order = tl.sort(tl.where(extra, i1, 1 << 30))
-    for e in range(0, tl.sum(extra.to(tl.int32), 0)):
-        blk = tl.sum(tl.where(j == e, order, 0), 0).to(tl.int32)
-        m_i, l_i, acc = _pair_block(q, K, V, blk, tok, s_min, row_ok & second, b, kv, skb, sks, skh, svb, svs, svh,
-                                    m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
+    n_walk, rank, packed = union_walk(IDX, b, kv, t0, T, HKV, NSEL, NP, NT)
+    m_i = tl.full([NT * GR], -1e30, tl.float32)
+    l_i = tl.zeros([NT * GR], tl.float32)
+    acc = tl.zeros([NT * GR, DVP], tl.float32)
+    for w in range(0, n_walk):
+        pk = tl.sum(tl.where(rank == w, packed, 0), 0)
+        live = row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)
+        m_i, l_i, acc = _union_block(q, K, V, (pk >> NT).to(tl.int32), tok, s_min, live, b, kv, skb, sks, skh, svb,
+                                     svs, svh, m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
     finish_softmax(O, LSE, acc, m_i, l_i, b * sob + tok * sot + h * soh, (b * T + tok) * (HKV * G) + h, row_ok, DV,
                    DVP)
 
@@ -202,7 +222,8 @@ BLOCKS_MIN_TOKENS = 2048
 
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: int | None = None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
-    the algorithm: for the forward 'token' (one program per token, this file) or 'blocks' (selected_blocks.py);
+    the algorithm: for the forward 'token' (one program per token, this file), 'tokens' (NT neighbouring tokens
+    per program over their blocks' union, this file) or 'blocks' (selected_blocks.py);
     for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, in the inputs' dtype or with
     partial_bits=32 in fp32, and a sum kernel adds them per token in fp32: for small groups whose head dim is at
     most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer
@@ -284,11 +305,13 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
         return (o, lse, keys) if with_pairs else (o, lse)
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    if lc.get("algo") == "pairs":  # two neighbouring tokens per program over their blocks' union (_sel_fwd_pair)
-        launch_tma(_sel_fwd_pair, (triton.cdiv(T, 2), B * HKV),
+    if lc.get("algo") == "tokens":  # NT neighbouring tokens per program over their blocks' union (_sel_fwd_tokens)
+        nt = lc.get("NT", 4)
+        gr = max(pow2(G), 16 // nt)  # each token's rows: its heads, padded so that the tile has >= 16 rows
+        launch_tma(_sel_fwd_tokens, (triton.cdiv(T, nt), B * HKV),
                    (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
                     *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
-                   kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=max(16, pow2(G)), NP=pow2(c["NSEL"]), **c,
+                   kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=gr, NP=pow2(c["NSEL"]), NT=nt, **c,
                                                             DOC=doc_start is not None, num_warps=lc["num_warps"],
                                                             num_stages=lc["num_stages"]))
         return (o, lse, None) if with_pairs else (o, lse)

@@ -27,7 +27,14 @@ from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
-from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_pair, _sel_bwd_dq_pair
+from nsa_titan.kernels.selected_dq import (
+    _sel_bwd_dq,
+    _sel_bwd_dq_ds,
+    _sel_bwd_dq_ds_pair,
+    _sel_bwd_dq_ds_tokens,
+    _sel_bwd_dq_pair,
+    _sel_bwd_dq_tokens,
+)
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
@@ -202,7 +209,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         consts = dict(GR=max(16, pow2(G)), **c, ACC=dq_acc is not None, DOC=doc_start is not None,
                       num_warps=lq["num_warps"], num_stages=lq["num_stages"])
         args = (q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV, DK**-0.5 * LOG2E, DK**-0.5)
-        if lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 78)
+        if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
+            launch_tma(_sel_bwd_dq_tokens, (triton.cdiv(T, lq["NT"]), B * HKV), args, kv_specs(k, v, c["BS"]),
+                       lq["tma"], dict(consts, NP=pow2(n), NT=lq["NT"]))
+        elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 78)
             launch_tma(_sel_bwd_dq_pair, (triton.cdiv(T, 2), B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
                        dict(consts, NP=pow2(n)))
         else:
@@ -248,7 +258,11 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
                  1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
         consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=dq_acc is not None,
                       num_warps=lq["num_warps"], num_stages=lq["num_stages"])
-        if lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 77)
+        if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
+            launch_tma(_sel_bwd_dq_ds_tokens, (triton.cdiv(T, lq["NT"]), B * HKV),
+                       (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), {0: specs[0]},
+                       lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n), NT=lq["NT"]))
+        elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 77)
             launch_tma(_sel_bwd_dq_ds_pair, (triton.cdiv(T, 2), B * HKV),
                        (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), specs,
                        lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n)))

@@ -4,7 +4,9 @@ batch, KV head) with the G query heads as rows, as the forward.
 - _sel_bwd_dq recomputes QK^T and dO V^T per selected block (where the dS buffer does not fit the budget);
 - _sel_bwd_dq_ds multiplies the dS that the dK/dV walk stored by K: one matmul per block, K alone read;
 - _sel_bwd_dq_pair and _sel_bwd_dq_ds_pair do the first and the second for two neighbouring tokens over the union of
-  their blocks (attempts 78 and 77): a block both chose is read once.
+  their blocks (attempts 78 and 77): a block both chose is read once;
+- _sel_bwd_dq_tokens and _sel_bwd_dq_ds_tokens do them for NT neighbouring tokens as one [NT G, D] tile (attempt
+  80; at G 16 and NT 4 one warpgroup's 64 MMA rows).
 """
 
 from __future__ import annotations
@@ -12,13 +14,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.selected import token_block_kv, token_group, token_slot_kv
+from nsa_titan.kernels.selected import token_block_kv, token_group, token_slot_kv, union_walk
 
 
 @triton.jit
 def _store_dq(DQ, dq, b, t, h, row_ok, dk, T, G, HKV, DK: tl.constexpr, ACC: tl.constexpr):
     """One token's dQ rows (fp32, scaled) into DQ [B, T, HQ, Dk]; ACC: added to what another branch stored."""
-    dq_ptr = DQ + ((b * T + t) * (HKV * G) + h[:, None]) * DK + dk[None, :]
+    _store_dq_rows(DQ, dq, (b * T + t) * (HKV * G) + h, row_ok, dk, DK, ACC)
+
+
+@triton.jit
+def _store_dq_rows(DQ, dq, row, row_ok, dk, DK: tl.constexpr, ACC: tl.constexpr):
+    """dQ rows (fp32, scaled) into DQ [B * T * HQ, Dk] at rows ``row``; ACC: added to what another branch stored."""
+    dq_ptr = DQ + row[:, None] * DK + dk[None, :]
     if ACC:
         dq += tl.load(dq_ptr, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
     tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
@@ -140,6 +148,86 @@ def _sel_bwd_dq_ds_pair(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP:
         dq1 += tl.dot(_pair_ds(DSB, pair0 + NSEL + s1, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
     _store_dq(DQ, dq0 * sm_scale, b, t0, h, row_ok, dk, T, G, HKV, DK, ACC)
     _store_dq(DQ, dq1 * sm_scale, b, t0 + 1, h, row_ok & (g * 0 + t0 + 1 < T), dk, T, G, HKV, DK, ACC)
+
+
+@triton.jit
+def _sel_bwd_dq_ds_tokens(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
+                          NSEL: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr, GR: tl.constexpr,
+                          DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
+    """_sel_bwd_dq_ds for NT neighbouring tokens t0 = NT * program .. t0 + NT - 1 as the row groups of one
+    [NT GR, D] dQ tile (attempt 80; at G 16 and NT 4 one warpgroup's 64 MMA rows), over the union of their blocks
+    (selected.union_walk, the forward's order): each union block's K tile is loaded once and multiplied by the
+    [NT GR, l'] dS of the tokens that chose it (each row from its token's own slot of that block; zeros for the
+    others) in one MMA. Rounding differs from _sel_bwd_dq_ds only in the order of a token's blocks."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t0 = NT * pid
+    rr = tl.arange(0, NT * GR)
+    u = rr // GR  # the row's token in the group
+    tok = t0 + u
+    g = rr % GR
+    row_ok = (g < G) & (tok < T)
+    dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
+    pair0 = ((b * HKV + kv) * T + t0) * NSEL  # token u's slot s is the (token, slot) pair pair0 + u * NSEL + s
+    # every row's token's block list [NT GR, NP] (-1: unused, or a token past T), to find a block's slot per row
+    lists = tl.load(IDX + pair0 + u[:, None] * NSEL + j[None, :], mask=(j[None, :] < NSEL) & (tok < T)[:, None],
+                    other=-1).to(tl.int32)
+    n_walk, rank, packed = union_walk(IDX, b, kv, t0, T, HKV, NSEL, NP, NT)
+    dq = tl.zeros([NT * GR, DKP], tl.float32)
+    for w in range(0, n_walk):
+        blk = (tl.sum(tl.where(rank == w, packed, 0), 0) >> NT).to(tl.int32)
+        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        hit = lists == blk
+        live = row_ok & (tl.sum(hit.to(tl.int32), 1) > 0)  # the row's token chose the block
+        slot = tl.sum(tl.where(hit, j[None, :], 0), 1)
+        ds = tl.load(DSB + ((pair0 + u * NSEL + slot) * G + g)[:, None] * LP + c[None, :],
+                     mask=live[:, None] & (c < LP)[None, :], other=0.0)
+        dq += tl.dot(ds.to(k.dtype), k)
+    _store_dq_rows(DQ, dq * sm_scale, (b * T + tok) * (HKV * G) + kv * G + g, row_ok, dk, DK, ACC)
+
+
+@triton.jit
+def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                       T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
+                       NP: tl.constexpr, NT: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
+                       TMA: tl.constexpr):
+    """_sel_bwd_dq (dQ recomputed) for NT neighbouring tokens as the row groups of one [NT GR, D] tile (attempt 80),
+    over the union of their blocks (selected.union_walk): each union block's K and V are loaded once and its three
+    MMAs run on all NT GR rows, the rows of tokens that did not choose it masked (P = 0)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t0 = NT * pid
+    rr = tl.arange(0, NT * GR)
+    u = rr // GR  # the row's token in the group
+    tok = t0 + u
+    g = rr % GR
+    row_ok = (g < G) & (tok < T)
+    dk, dv, c = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
+    q = tl.load(Q + b * sqb + tok[:, None] * sqt + (kv * G + g)[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    row = (b * T + tok) * (HKV * G) + kv * G + g
+    do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    s_min = tok * 0
+    if DOC:
+        s_min = tl.load(DS + b * T + tok, mask=row_ok, other=0)
+    n_walk, rank, packed = union_walk(IDX, b, kv, t0, T, HKV, NSEL, NP, NT)
+    dq = tl.zeros([NT * GR, DKP], tl.float32)
+    for w in range(0, n_walk):
+        pk = tl.sum(tl.where(rank == w, packed, 0), 0)
+        blk = (pk >> NT).to(tl.int32)
+        live = row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)  # the row's token chose the block
+        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
+        s_pos = blk * LP + c
+        vis = (c < LP)[None, :] & (s_pos[None, :] <= tok[:, None]) & (s_pos[None, :] >= s_min[:, None]) & live[:, None]
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.exp2(tl.where(vis, s - lse[:, None], float("-inf")))
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    _store_dq_rows(DQ, dq * sm_scale, row, row_ok, dk, DK, ACC)
 
 
 @triton.jit

@@ -110,8 +110,17 @@ TUNED: dict[tuple, dict] = {
     # model, 8k batch 2, CUDA graphs, rounds interleaved (train_pairs_ab_{token,pairs}_r{1,2}_s18): 65,058 / 64,760
     # tokens/s with one token per program, 65,439 / 65,331 with pairs, at steps 25-30 of a run from initialisation;
     # the float64 check green with it (attention_check_pairs_s18_H100.md).
-    ("sel_fwd", 16, 128, False): dict(algo="pairs", tma=True, num_warps=2, num_stages=2),
-    ("sel_dq", 16, 128, False): dict(tma=True),
+    # Since attempt 79 (nineteenth session): four neighbouring tokens per program (selected._sel_fwd_tokens), the
+    # 64-row tile one warpgroup's wgmma. Forward alone, batch 2, against the pair kernel (sweep_selected_tokens_*_s19):
+    # queries correlated at 0.9, 1b 8k 0.739 -> 0.507 ms, 32k 3.12 -> 2.23, paper 8k 2.89 -> 1.96, 32k 12.63 -> 8.98;
+    # random queries 1b 8k 0.918 -> 0.742, 32k 4.11 -> 3.69, paper 8k 3.59 -> 2.94, 32k 16.45 -> 15.47 (2 stages:
+    # 10-15 % slower). Attention, random inputs (ab_profile_tokens_st3_s19_*): 1b 8k batch 2 1.048x, paper 8k 1.020x.
+    ("sel_fwd", 16, 128, False): dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=3),
+    # dQ recomputed (where dS does not fit: the paper config from 16k at batch 1) for two neighbouring tokens over
+    # their blocks' union (selected_dq._sel_bwd_dq_pair, attempt 78). H100, whole selected backward, batch 2,
+    # queries correlated along T at 0.9 (the 1b's trained overlap; sweep_selected_rpairs_qc09_s19_*), against one
+    # token per program: paper 8k 8.61 -> 8.07 ms, 32k 35.93 -> 33.43; 1b 8k 2.31 -> 2.10, 32k 9.07 -> 8.34.
+    ("sel_dq", 16, 128, False): dict(tma=True, pairs=True, NPI=1, num_warps=4, num_stages=2),
     ("sel_dq", 8, 128, False): dict(tma=True),
     # dQ from the stored dS (where it fits selected.DS_BUDGET, 2 GiB: the 1b up to 64k tokens per step, the paper
     # config up to 16k, qwen7b up to ~37k) with K and each slot's [G, l'] dS through descriptors (attempt 67), one
@@ -120,7 +129,12 @@ TUNED: dict[tuple, dict] = {
     # warps was slower (sweep_selected_dq_w2_s16_*). Profiled against the parent (ab_profile_dsdq_tma_s16_*, 2
     # rounds): `_sel_bwd_dq_ds` 0.618 -> 0.436 ms at 1b 8k batch 2 (attention 1.042x), 1.289 -> 1.026 at 32k batch 1
     # (1.020x), paper 8k 1.286 -> 0.852 (1.057x).
-    ("sel_dq_ds", 16, 128, False): dict(tma=True, NPI=1, num_warps=2, num_stages=3),
+    # Since attempt 77 (nineteenth session): two neighbouring tokens per program over their blocks' union
+    # (selected_dq._sel_bwd_dq_ds_pair), the same 2 warps / 3 stages. Whole selected backward, batch 2: queries
+    # correlated at 0.9 (sweep_selected_pairs_qc09_s19_*) 1b 8k 1.842 -> 1.745 ms, 32k 7.53 -> 6.95, paper 8k 6.89
+    # -> 6.47, 32k 29.45 -> 27.80; random queries (sweep_selected_pairs_s19_*) 1b 8k 1.563 -> 1.545, 32k 6.41 ->
+    # 6.45, paper 8k 6.18 -> 6.10, 32k 26.95 -> 27.03.
+    ("sel_dq_ds", 16, 128, False): dict(tma=True, pairs=True, NPI=1, num_warps=2, num_stages=3),
     # qwen7b (G 7: 16-row boxes that also read the next slots' rows, never stored), 8k: whole selected backward
     # batch 1 2.417 -> 2.128 ms, batch 2 4.688 -> 4.139 (sweep_selected_dsdq_tma_qwen_b{1,2}_s16_*); profiled with 2
     # blocks per step and 4 warps (ab_profile_dsdq_tma_qwen_s16_*): `_sel_bwd_dq_ds` 1.181 -> 0.902 ms at batch 1
