@@ -135,6 +135,21 @@ def _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs,
 
 
 @triton.jit
+def token_rows(T, G, HKV, NT: tl.constexpr, GR: tl.constexpr):
+    """The multi-token kernels' program (forward, dQ): NT neighbouring tokens t0 = NT * program .. of one (batch,
+    KV head), each token's G heads as GR rows of one [NT GR, D] tile. -> (b, kv, t0, u: each row's token in the
+    group, tok: its position, g: its head in the group, row_ok: a real head of a token before T)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t0 = NT * pid
+    rr = tl.arange(0, NT * GR)
+    u = rr // GR
+    tok = t0 + u
+    g = rr % GR
+    return b, kv, t0, u, tok, g, (g < G) & (tok < T)
+
+
+@triton.jit
 def union_walk(IDX, b, kv, t0, T, HKV, NSEL: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr):
     """The union of NT neighbouring tokens' blocks (t0 .. t0 + NT - 1), listed once per program for the
     multi-token kernels (_sel_fwd_tokens, selected_dq): entry e = token e // NP's slot e % NP is walked when no
@@ -176,14 +191,7 @@ def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb,
     token u's slot j is walked when no earlier token of the group chose its block, token by token in slot order (t0's
     blocks in _sel_fwd's order), with the rows of every token that chose it; the walk reads each entry's block and
     its tokens' bits from one packed vector, so the loop has no branch."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = NT * pid
-    rr = tl.arange(0, NT * GR)
-    u = rr // GR  # the row's token in the group
-    tok = t0 + u
-    g = rr % GR
-    row_ok = (g < G) & (tok < T)
+    b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR)
     h = kv * G + g
     dk = tl.arange(0, DKP)
     q = tl.load(Q + b * sqb + tok[:, None] * sqt + h[:, None] * sqh + dk[None, :],

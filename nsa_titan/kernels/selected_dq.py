@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.selected import token_block_kv, token_group, token_slot_kv, union_walk
+from nsa_titan.kernels.selected import token_block_kv, token_group, token_rows, token_slot_kv, union_walk
 
 
 @triton.jit
@@ -159,14 +159,7 @@ def _sel_bwd_dq_ds_tokens(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, L
     (selected.union_walk, the forward's order): each union block's K tile is loaded once and multiplied by the
     [NT GR, l'] dS of the tokens that chose it (each row from its token's own slot of that block; zeros for the
     others) in one MMA. Rounding differs from _sel_bwd_dq_ds only in the order of a token's blocks."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = NT * pid
-    rr = tl.arange(0, NT * GR)
-    u = rr // GR  # the row's token in the group
-    tok = t0 + u
-    g = rr % GR
-    row_ok = (g < G) & (tok < T)
+    b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR)
     dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
     pair0 = ((b * HKV + kv) * T + t0) * NSEL  # token u's slot s is the (token, slot) pair pair0 + u * NSEL + s
     # every row's token's block list [NT GR, NP] (-1: unused, or a token past T), to find a block's slot per row
@@ -195,14 +188,7 @@ def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb,
     """_sel_bwd_dq (dQ recomputed) for NT neighbouring tokens as the row groups of one [NT GR, D] tile (attempt 80),
     over the union of their blocks (selected.union_walk): each union block's K and V are loaded once and its three
     MMAs run on all NT GR rows, the rows of tokens that did not choose it masked (P = 0)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = NT * pid
-    rr = tl.arange(0, NT * GR)
-    u = rr // GR  # the row's token in the group
-    tok = t0 + u
-    g = rr % GR
-    row_ok = (g < G) & (tok < T)
+    b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR)
     dk, dv, c = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
     q = tl.load(Q + b * sqb + tok[:, None] * sqt + (kv * G + g)[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
