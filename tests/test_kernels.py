@@ -1,8 +1,10 @@
 """Triton NSA kernels vs the dense reference, on CPU through the Triton interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, and another test module of this pytest process
-may already have imported it; so every kernel check runs in ONE child process (started once per session,
-env TRITON_INTERPRET=1) that prints a JSON verdict per case, and the tests below only read those verdicts.
+may already have imported it; so the kernel checks run in child processes (started once per session, env
+TRITON_INTERPRET=1; one per CPU core up to 2, each taking every other case and check: the interpreter is
+single-threaded and the checks take ~10 minutes in one process) that print a JSON verdict per case, and the tests
+below only read those verdicts.
 Running this file as a script (``python tests/test_kernels.py``) is that child; on a CUDA machine
 ``python tests/test_kernels.py --cuda`` runs the same checks on the GPU, but there they are not a verdict: the
 fp32 cases' dots run in tf32 (errors ~2e-3 against the CPU tolerance of 2e-4) and the torch path's FlexAttention
@@ -24,8 +26,11 @@ import pytest
 from _kernel_checks import CASES, CHECKS, DOC_CASES, PREFIX_CASES, run_case
 
 
-def main(device: str) -> None:
-    for case in CASES + DOC_CASES + PREFIX_CASES:
+def main(device: str, shard: int = 0, shards: int = 1) -> None:
+    """Run every ``shards``-th case and check from ``shard`` on (all of them by default)."""
+    cases = (CASES + DOC_CASES + PREFIX_CASES)[shard::shards]
+    checks = CHECKS[(shard + len(CASES + DOC_CASES + PREFIX_CASES)) % shards::shards]
+    for case in cases:
         t0 = time.time()
         try:
             res = run_case(case, device)
@@ -33,7 +38,7 @@ def main(device: str) -> None:
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
-    for name, check in CHECKS:
+    for name, check in checks:
         t0 = time.time()
         try:
             res = check(device)
@@ -49,15 +54,28 @@ def verdicts():
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=root)
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            found[r.pop("case")] = r
+    shards = max(1, min(2, os.cpu_count() or 1))
+    if shards > 1:
+        env["OMP_NUM_THREADS"] = "1"  # one core per child
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--shard={i}/{shards}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+             for i in range(shards)]
+    found, errors = {}, []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\n(killed after 600 s: the cases it had not reached produce no verdict)"
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                found[r.pop("case")] = r
+        if proc.returncode:
+            errors.append(f"rc={proc.returncode}: {err[-2000:]}")
     if not found:
-        pytest.fail(f"kernel check process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail("kernel check processes failed:\n" + "\n".join(errors))
     return found
 
 
@@ -200,4 +218,5 @@ if __name__ == "__main__":
         from _interp_speed import install  # tests/ is on the path only in this child
 
         install()
-    main("cuda" if "--cuda" in sys.argv else "cpu")
+    shard_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shard=")), "0/1")
+    main("cuda" if "--cuda" in sys.argv else "cpu", *map(int, shard_arg.split("/")))
