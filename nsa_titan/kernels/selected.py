@@ -293,6 +293,12 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     return c
 
 
+def _token_rows(G: int, nt: int) -> int:
+    """The multi-token kernels' rows per token: its G heads, padded to a power of 2 and so that the tile of nt
+    tokens has >= 16 rows (the MMA's minimum)."""
+    return max(pow2(G), 16 // nt)
+
+
 def _consts(q, k, v, lp, n):
     G = q.shape[2] // k.shape[2]
     DK, DV = q.shape[-1], v.shape[-1]
@@ -315,13 +321,12 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     if lc.get("algo") == "tokens":  # NT neighbouring tokens per program over their blocks' union (_sel_fwd_tokens)
         nt = lc.get("NT", 4)
-        gr = max(pow2(G), 16 // nt)  # each token's rows: its heads, padded so that the tile has >= 16 rows
         launch_tma(_sel_fwd_tokens, (triton.cdiv(T, nt), B * HKV),
                    (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
                     *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
-                   kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=gr, NP=pow2(c["NSEL"]), NT=nt, **c,
-                                                            DOC=doc_start is not None, num_warps=lc["num_warps"],
-                                                            num_stages=lc["num_stages"]))
+                   kv_specs(k, v, c["BS"]), lc["tma"],
+                   dict(GR=_token_rows(G, nt), NP=pow2(c["NSEL"]), NT=nt, **c, DOC=doc_start is not None,
+                        num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
         return (o, lse, None) if with_pairs else (o, lse)
     launch_tma(_sel_fwd, (T, B * HKV), (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start,
                                         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G,

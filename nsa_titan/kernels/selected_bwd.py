@@ -25,7 +25,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
-from nsa_titan.kernels.selected import _cfg, _consts
+from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
 from nsa_titan.kernels.selected_dq import (
     _sel_bwd_dq,
@@ -211,7 +211,7 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         args = (q, k, v, do, lse, delta, block_idx, dq, ds, *strides, T, G, HKV, DK**-0.5 * LOG2E, DK**-0.5)
         if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
             launch_tma(_sel_bwd_dq_tokens, (triton.cdiv(T, lq["NT"]), B * HKV), args, kv_specs(k, v, c["BS"]),
-                       lq["tma"], dict(consts, NP=pow2(n), NT=lq["NT"]))
+                       lq["tma"], dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
         elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 78)
             launch_tma(_sel_bwd_dq_pair, (triton.cdiv(T, 2), B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
                        dict(consts, NP=pow2(n)))
@@ -261,7 +261,8 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
             launch_tma(_sel_bwd_dq_ds_tokens, (triton.cdiv(T, lq["NT"]), B * HKV),
                        (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), {0: specs[0]},
-                       lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n), NT=lq["NT"]))
+                       lq["tma"] and bs == slc_block,
+                       dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
         elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 77)
             launch_tma(_sel_bwd_dq_ds_pair, (triton.cdiv(T, 2), B * HKV),
                        (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), specs,
