@@ -104,12 +104,13 @@ TUNED: dict[tuple, dict] = {
     # 3.48, 32k 16.30 -> 15.95. Profiled against 4 warps (ab_profile_sel_fwd_w2_s15_*): attention 1b 8k batch 2
     # 1.045x (`_sel_fwd` 1.010 -> 0.879 ms), 32k 1.016x; paper 8k 1.003x, 32k 1.006x.
     # Since attempt 74 (eighteenth session): two neighbouring tokens per program over their blocks' union
-    # (selected._sel_fwd_pair). On random selections it loses (sweep_selected_pairs_s18_*: the 1b 8k 0.877 -> 0.917
-    # ms, paper 8k 3.53 -> 3.61), but a model's selections overlap more: for two tokens |union| / n is 1.46 on random
-    # inputs, 1.39 at initialisation and 1.15-1.20 after 60-200 steps (selection_overlap_1b_seq8192.json). Whole 1b
-    # model, 8k batch 2, CUDA graphs, rounds interleaved (train_pairs_ab_{token,pairs}_r{1,2}_s18): 65,058 / 64,760
-    # tokens/s with one token per program, 65,439 / 65,331 with pairs, at steps 25-30 of a run from initialisation;
-    # the float64 check green with it (attention_check_pairs_s18_H100.md).
+    # (selected._sel_fwd_pair, since the nineteenth session NT 2 of _sel_fwd_tokens). On random selections it loses
+    # (sweep_selected_pairs_s18_*: the 1b 8k 0.877 -> 0.917 ms, paper 8k 3.53 -> 3.61), but a model's selections overlap
+    # more: for two tokens |union| / n is 1.46 on random inputs, 1.39 at initialisation and 1.15-1.20 after 60-200 steps
+    # (selection_overlap_1b_seq8192.json). Whole 1b model, 8k batch 2, CUDA graphs, rounds interleaved
+    # (train_pairs_ab_{token,pairs}_r{1,2}_s18): 65,058 / 64,760 tokens/s with one token per program, 65,439 / 65,331
+    # with pairs, at steps 25-30 of a run from initialisation; the float64 check green with it
+    # (attention_check_pairs_s18_H100.md).
     # Since attempt 79 (nineteenth session): four neighbouring tokens per program (selected._sel_fwd_tokens), the
     # 64-row tile one warpgroup's wgmma. Forward alone, batch 2, against the pair kernel (sweep_selected_tokens_*_s19):
     # queries correlated at 0.9, 1b 8k 0.739 -> 0.507 ms, 32k 3.12 -> 2.23, paper 8k 2.89 -> 1.96, 32k 12.63 -> 8.98;
