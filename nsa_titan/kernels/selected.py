@@ -63,6 +63,16 @@ def _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
+def token_heads(G, HKV, GR: tl.constexpr):
+    """The one-token programs' (token_group's walks, selected_dq._sel_bwd_dq_ds) rows: token t = program 0 of one
+    (batch, KV head), its G query heads as GR rows. -> (t, b, kv, g, row_ok: g < G, h: the query heads)."""
+    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    g = tl.arange(0, GR)
+    return t, b, kv, g, g < G, kv * G + g
+
+
+@triton.jit
 def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP: tl.constexpr, NSEL: tl.constexpr, GR: tl.constexpr,
                 DK: tl.constexpr, DKP: tl.constexpr, DOC: tl.constexpr):
     """The token-centric walks' (forward, dQ recompute) program: token t of one (batch, KV head), its G query
@@ -73,11 +83,7 @@ def token_group(Q, IDX, DS, sqb, sqt, sqh, T, G, HKV, LP: tl.constexpr, NSEL: tl
     first and the unused slots (-1) last (select.py sorts every row by descending key), so slots past that count
     are unused: the walk stops there instead of running masked MMAs on them (the first n l' tokens of a sequence
     and of every document)."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
+    t, b, kv, g, row_ok, h = token_heads(G, HKV, GR)
     dk = tl.arange(0, DKP)
     q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.selected import token_block_kv, token_group, token_rows, token_slot_kv, union_walk
+from nsa_titan.kernels.selected import token_block_kv, token_group, token_heads, token_rows, token_slot_kv, union_walk
 
 
 @triton.jit
@@ -80,11 +80,7 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
     ACC flag as _sel_bwd_dq. TMA: K is a [B, S, HKV, D] descriptor with [1, BS, 1, D] boxes and DSB a
     [pairs * G, l'] descriptor with [GR, l'] boxes (BS = l'; rows past G belong to the next slots and only reach dQ
     rows that are not stored); one block per MMA."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
+    t, b, kv, g, row_ok, h = token_heads(G, HKV, GR)
     dk = tl.arange(0, DKP)
     dq = tl.zeros([GR, DKP], tl.float32)
     pair0 = ((b * HKV + kv) * T + t) * NSEL
