@@ -180,7 +180,7 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
         # (a variant without pairs / NT means one token per program, whatever tuned.py's default)
         "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block,
-                                                 cfg_dq=dict(pairs=False, NT=1, **c))[:1],
+                                                 cfg_dq={"pairs": False, "NT": 1, **c})[:1],
         "sel_dkdv": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
         "select": lambda c: (torch.sort(select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
                                                              p.slc_top_n, cfg=c), -1).values,),

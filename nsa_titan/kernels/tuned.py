@@ -116,12 +116,18 @@ TUNED: dict[tuple, dict] = {
     # queries correlated at 0.9, 1b 8k 0.739 -> 0.507 ms, 32k 3.12 -> 2.23, paper 8k 2.89 -> 1.96, 32k 12.63 -> 8.98;
     # random queries 1b 8k 0.918 -> 0.742, 32k 4.11 -> 3.69, paper 8k 3.59 -> 2.94, 32k 16.45 -> 15.47 (2 stages:
     # 10-15 % slower). Attention, random inputs (ab_profile_tokens_st3_s19_*): 1b 8k batch 2 1.048x, paper 8k 1.020x.
+    # Whole 1b model, 8k batch 2, against NT 2 (train_nt4_ab_*_s20, two interleaved rounds): +1.3 % / +1.5 %. Not for
+    # m7c's G 6 (NT 8 x 8 rows, attempt 81): the whole m7c model lost 1.2 % at 8k and 5.5 % at 32k (train_m7tok_*_s20).
     ("sel_fwd", 16, 128, False): dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=3),
     # dQ recomputed (where dS does not fit: the paper config from 16k at batch 1) for two neighbouring tokens over
     # their blocks' union (selected_dq._sel_bwd_dq_pair, attempt 78). H100, whole selected backward, batch 2,
     # queries correlated along T at 0.9 (the 1b's trained overlap; sweep_selected_rpairs_qc09_s19_*), against one
     # token per program: paper 8k 8.61 -> 8.07 ms, 32k 35.93 -> 33.43; 1b 8k 2.31 -> 2.10, 32k 9.07 -> 8.34.
-    ("sel_dq", 16, 128, False): dict(tma=True, pairs=True, NPI=1, num_warps=4, num_stages=2),
+    # Since attempt 80 (twentieth session): four tokens per program as one 64-row tile (selected_dq._sel_bwd_dq_tokens).
+    # Whole selected backward, batch 2, against the pairs: correlated queries (sweep_selected_dqtok_rc_qc09_s20b_*)
+    # 1b 8k 2.10 -> 1.83 ms, 32k 8.30 -> 7.45, paper 8k 8.05 -> 6.80, 32k 33.3 -> 29.5; random queries
+    # (sweep_selected_dqtok_rc_s20b_*) 1b 8k 1.92 -> 1.74, 32k 7.86 -> 8.21, paper 8k 7.35 -> 6.56, 32k 32.2 -> 33.0.
+    ("sel_dq", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=2),
     ("sel_dq", 8, 128, False): dict(tma=True),
     # dQ from the stored dS (where it fits selected.DS_BUDGET, 2 GiB: the 1b up to 64k tokens per step, the paper
     # config up to 16k, qwen7b up to ~37k) with K and each slot's [G, l'] dS through descriptors (attempt 67), one
@@ -135,7 +141,11 @@ TUNED: dict[tuple, dict] = {
     # correlated at 0.9 (sweep_selected_pairs_qc09_s19_*) 1b 8k 1.842 -> 1.745 ms, 32k 7.53 -> 6.95, paper 8k 6.89
     # -> 6.47, 32k 29.45 -> 27.80; random queries (sweep_selected_pairs_s19_*) 1b 8k 1.563 -> 1.545, 32k 6.41 ->
     # 6.45, paper 8k 6.18 -> 6.10, 32k 26.95 -> 27.03.
-    ("sel_dq_ds", 16, 128, False): dict(tma=True, pairs=True, NPI=1, num_warps=2, num_stages=3),
+    # Since attempt 80 (twentieth session): four tokens per program as one 64-row tile
+    # (selected_dq._sel_bwd_dq_ds_tokens). Against the pairs: correlated queries (sweep_selected_dqtok_qc09_s20b_*)
+    # 1b 8k 1.826 -> 1.716 ms, 32k 7.21 -> 6.82, paper 8k 6.85 -> 6.40, 32k 28.6 -> 26.8; random queries
+    # (sweep_selected_dqtok_s20b_*) 1b 8k 1.604 -> 1.573, 32k 6.60 -> 6.61, paper 8k 6.46 -> 6.28, 32k 27.95 -> 27.91.
+    ("sel_dq_ds", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=3),
     # qwen7b (G 7: 16-row boxes that also read the next slots' rows, never stored), 8k: whole selected backward
     # batch 1 2.417 -> 2.128 ms, batch 2 4.688 -> 4.139 (sweep_selected_dsdq_tma_qwen_b{1,2}_s16_*); profiled with 2
     # blocks per step and 4 warps (ab_profile_dsdq_tma_qwen_s16_*): `_sel_bwd_dq_ds` 1.181 -> 0.902 ms at batch 1
