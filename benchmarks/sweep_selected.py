@@ -93,18 +93,17 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                dict(_v(1, st=3), algo="ds", tma=True),
                dict(_v(1, w=2), algo="ds", tma=True), dict(_v(1, w=2, st=3), algo="ds", tma=True),
                dict(_v(2, w=2), algo="ds", tma=True),
-               # dQ from stored dS for two neighbouring tokens over their blocks' union (selected_dq, attempt 77): K
-               # of a shared block loaded once. Offline sm_90, 1b shape, descriptors: 196 registers at 2 warps, 128
-               # at 4, no spills (the one-token kernel: 128 / 80)
-               dict(_v(1, w=2), algo="ds", tma=True, pairs=True),
-               dict(_v(1, w=2, st=3), algo="ds", tma=True, pairs=True),
-               dict(_v(1, w=4), algo="ds", tma=True, pairs=True),
-               # dQ recomputed for two neighbouring tokens over their blocks' union (attempt 78; against 7): K and V
-               # of a shared block loaded once, each token's MMAs only on its own blocks. Offline sm_90, 1b shape,
-               # descriptors: 236 / 145 registers at 4 / 8 warps, no spills (2 warps spill 536 B)
-               dict(_v(1, w=4), algo="recompute", tma=True, pairs=True),
-               dict(_v(1, w=4, st=3), algo="recompute", tma=True, pairs=True),
-               dict(_v(1, w=8), algo="recompute", tma=True, pairs=True),
+               # Two neighbouring tokens over their blocks' union: until attempt 80 the pair kernels (attempt 77 from
+               # the stored dS, 15-17; attempt 78 recomputed, 18-20, against 7; offline sm_90, 1b shape, descriptors:
+               # ds 196 / 128 registers at 2 / 4 warps, recompute 236 / 145 at 4 / 8), removed after attempt 80. These
+               # six are now NT 2 of the four-token kernels below, in the pair variants' warps and stages
+               # (indices unchanged).
+               dict(algo="ds", NT=2, tma=True, num_warps=2, num_stages=2),
+               dict(algo="ds", NT=2, tma=True, num_warps=2, num_stages=3),
+               dict(algo="ds", NT=2, tma=True, num_warps=4, num_stages=2),
+               dict(algo="recompute", NT=2, tma=True, num_warps=4, num_stages=2),
+               dict(algo="recompute", NT=2, tma=True, num_warps=4, num_stages=3),
+               dict(algo="recompute", NT=2, tma=True, num_warps=8, num_stages=2),
                # four neighbouring tokens as one 64-row tile over their blocks' union (selected_dq, attempt 80): from
                # the stored dS (dS by pointers, K by descriptor) and recomputed. Offline sm_90, 1b shape: ds 128 / 80
                # registers at 4 / 8 warps; recompute 207 (2 stages) / 227 (3) at 4 warps, 145 at 8; no spills
@@ -178,9 +177,9 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
     G = HQ // HKV
     jobs = {
         "sel_fwd": lambda c: selected.sel_fwd(q, ks, vs, idx, p.slc_block, cfg=c)[:1],
-        # (a variant without pairs / NT means one token per program, whatever tuned.py's default)
+        # (a variant without NT means one token per program, whatever tuned.py's default)
         "sel_dq": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block,
-                                                 cfg_dq={"pairs": False, "NT": 1, **c})[:1],
+                                                 cfg_dq={"NT": 1, **c})[:1],
         "sel_dkdv": lambda c: selected_bwd.sel_bwd(do, q, ks, vs, o, lse, idx, p.slc_block, cfg_dkdv=c)[1:],
         "select": lambda c: (torch.sort(select.select_blocks(q, kc, lse_c, p.cmp_block, p.cmp_stride, p.slc_block,
                                                              p.slc_top_n, cfg=c), -1).values,),

@@ -441,7 +441,7 @@ DS_TMA_CASES = [
     ("g16_lp16", 1, 70, 16, 1, 32, 32, (16, 8, 16, 3, 24), "float32"),
     ("doc_g16_lp16", 1, 70, 16, 1, 32, 16, (16, 8, 16, 3, 24), "float32", [[0, 9, 40]]),
     CASES[3],
-    # 3 of 6 slots free over 10 blocks: neighbouring tokens choose different blocks (sel_dq_pairs' union)
+    # 3 of 6 slots free over 10 blocks: neighbouring tokens choose different blocks (sel_dq_tokens' union)
     ("g16_lp16_free", 1, 161, 16, 1, 32, 32, (16, 8, 16, 6, 24), "float32"),
 ]
 
@@ -475,47 +475,6 @@ def _sel_dq_ds_tma_check(device):
             "worst": worst, "cases_with_descriptors": took, "unequal_one_block": unequal}
 
 
-def _sel_dq_pairs_check(device):
-    """dQ for two neighbouring tokens over their blocks' union (selected_dq: _sel_bwd_dq_ds_pair from the stored dS,
-    attempt 77; _sel_bwd_dq_pair recomputed, attempt 78) against one token per program, every case (odd T: the last
-    pair has one token; documents; fp16) with pointer loads, and with descriptors where the shapes allow them (no
-    fallback): t1's blocks summed in another order, so a float bound."""
-
-    from nsa_titan.kernels import selected_bwd, tma
-    from nsa_titan.kernels.combine import pow2
-
-    def pairs_differ(idx):  # some pair (t0 even, t1 = t0 + 1) chose different blocks: the union code runs
-        t = idx.shape[2] - idx.shape[2] % 2
-        return bool((idx[:, :, 0:t:2].sort(-1).values != idx[:, :, 1:t:2].sort(-1).values).any())
-
-    worst, skipped, tma_runs = {}, [], 0
-    with _no_descriptor_fallback():
-        for case in CASES + DOC_CASES + DS_TMA_CASES[-1:]:
-            if (x := _sel_inputs(case, device)) is None:
-                continue
-            if not pairs_differ(x["idx"]):  # every pair chose the same blocks (the forced ones): nothing to test
-                skipped.append(case[0])
-                continue
-            lp = x["p"].slc_block
-            kv_boxes = all(tma.descriptor(*sp) is not None
-                           for sp in tma.kv_specs(x["ks"], x["vs"], max(16, pow2(lp))).values())
-            # descriptors in two cases (their loads are the only difference; the interpreter is slow)
-            use_tma = kv_boxes and (tma_runs < 2 or case in DS_TMA_CASES)
-            tma_runs += use_tma
-            runs = [("recompute", False), ("ds", False)] + [("recompute", True)] * use_tma
-            runs += [("ds", True)] * (case in DS_TMA_CASES)
-            for algo, use in runs:
-                dq = [selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                           cfg_dq=dict(algo=algo, NPI=1, tma=use, pairs=pairs),
-                                           doc_start=x["doc"])[0] for pairs in (False, True)]
-                worst[case[0], algo, use] = rel_err(dq[1], dq[0])
-    bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES + DS_TMA_CASES}
-    ran = {(algo, use) for _, algo, use in worst}
-    return {"ok": ran == {("recompute", False), ("recompute", True), ("ds", False), ("ds", True)}
-            and len({k[0] for k in worst}) >= 6 and all(w < bound[k[0]] for k, w in worst.items()),
-            "skipped": skipped, "worst": {f"{k[0]}_{k[1]}{'_tma' if k[2] else ''}": w for k, w in worst.items()}}
-
-
 def _sel_dq_tokens_check(device):
     """dQ for four neighbouring tokens as one tile (selected_dq, attempt 80: _sel_bwd_dq_ds_tokens from the stored
     dS, _sel_bwd_dq_tokens recomputed) against one token per program from the stored dS (the paths agree to 1e-5 in
@@ -539,7 +498,7 @@ def _sel_dq_tokens_check(device):
                 continue
             lp = x["p"].slc_block
             ref = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                       cfg_dq=dict(algo="ds", NPI=1, tma=False, pairs=False, NT=1),
+                                       cfg_dq=dict(algo="ds", NPI=1, tma=False, NT=1),
                                        doc_start=x["doc"])[0]
             for algo in ("ds", "recompute"):
                 for use in (False, True) if case in DS_TMA_CASES else (False,):
@@ -806,8 +765,7 @@ def _decode_fused_check(device):
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_tokens", _sel_tokens_check),
-          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_pairs", _sel_dq_pairs_check),
-          ("sel_dq_tokens", _sel_dq_tokens_check),
+          ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_tokens", _sel_dq_tokens_check),
           ("select_merge", _select_merge_check),
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),

@@ -190,6 +190,27 @@ def test_causal_prefix_is_every_token_up_to_n_blocks_and_refuses_more():
         causal_prefix(long_q, long_v, G, n, lp, requested=65)
 
 
+def test_sel_dq_cfg_with_the_removed_pairs_key_is_refused_before_launching():
+    """The pair dQ kernels (cfg pairs=True, attempts 77/78) were removed after attempt 80: a dQ cfg that still asks
+    for them is refused with the fix (NT 2 or 4, the multi-token kernels), not silently run one token per program;
+    pairs=False (what sweeps passed to mean one token) and NT 2 still pass."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import selected, selected_bwd
+
+    B, T, HQ, HKV, D, n, lp = 1, 32, 4, 2, 16, 2, 16
+    q, k = torch.zeros(B, T, HQ, D), torch.zeros(B, T, HKV, D)
+    idx = torch.zeros(B, HKV, T, n, dtype=torch.int64)
+    for algo in ("ds", "recompute"):
+        with pytest.raises(ValueError, match="NT=2 or NT=4"):
+            selected._cfg("sel_dq", q, k, 2, n, lp, dict(algo=algo, pairs=True))
+        with pytest.raises(ValueError, match="pair dQ kernels"):  # through the backward, before any launch
+            selected_bwd.sel_bwd(q, q, k, k, q, q[..., 0], idx, lp, cfg_dq=dict(algo=algo, pairs=True),
+                                 delta=q[..., 0])
+        assert selected._cfg("sel_dq", q, k, 2, n, lp, dict(algo=algo, pairs=False, NT=2))["NT"] == 2
+
+
 def test_kernel_resources_reads_cuobjdump_usage_lines():
     """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
     resource line of cuobjdump --dump-resource-usage."""

@@ -296,6 +296,10 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
         tuned = {k: v for k, v in tuned.items() if k not in ("NPI", "tma")}
     c.update(tuned)
     c.update(cfg or {})
+    if kernel == "sel_dq" and c.get("pairs"):
+        raise ValueError("sel_dq cfg pairs=True: the pair dQ kernels (attempts 77/78) were removed after attempt 80; "
+                         "use NT=2 or NT=4 (the multi-token kernels selected_dq._sel_bwd_dq_tokens / "
+                         "_sel_bwd_dq_ds_tokens, NT neighbouring tokens per program over their blocks' union)")
     return c
 
 

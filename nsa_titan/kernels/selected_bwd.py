@@ -10,9 +10,9 @@ fp32 partials that a second kernel adds in chunk order. Every dK/dV row is thus 
 no single program serialises a popular block's list.
 
 dQ, three ways: recomputed per token (one program per (token, batch, KV head) with the G heads as rows, as the
-forward), dS K from the dS the dK/dV walk stores (both in selected_dq.py, each also for two neighbouring tokens
-over their blocks' union), or (small groups at head dim <= l') the sum of per-(token, slot) partials dS K that
-the dK/dV walk computes with the K block it holds.
+forward), dS K from the dS the dK/dV walk stores (both in selected_dq.py, each also for NT neighbouring tokens
+as one tile over their blocks' union), or (small groups at head dim <= l') the sum of per-(token, slot) partials
+dS K that the dK/dV walk computes with the K block it holds.
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 """
@@ -27,14 +27,7 @@ from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
 from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
-from nsa_titan.kernels.selected_dq import (
-    _sel_bwd_dq,
-    _sel_bwd_dq_ds,
-    _sel_bwd_dq_ds_pair,
-    _sel_bwd_dq_ds_tokens,
-    _sel_bwd_dq_pair,
-    _sel_bwd_dq_tokens,
-)
+from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_tokens, _sel_bwd_dq_tokens
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
@@ -212,9 +205,6 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
         if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
             launch_tma(_sel_bwd_dq_tokens, (triton.cdiv(T, lq["NT"]), B * HKV), args, kv_specs(k, v, c["BS"]),
                        lq["tma"], dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
-        elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 78)
-            launch_tma(_sel_bwd_dq_pair, (triton.cdiv(T, 2), B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
-                       dict(consts, NP=pow2(n)))
         else:
             launch_tma(_sel_bwd_dq, (T, B * HKV), args, kv_specs(k, v, c["BS"]), lq["tma"],
                        dict(consts, NPI=lq["NPI"]))
@@ -263,10 +253,6 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
                        (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), {0: specs[0]},
                        lq["tma"] and bs == slc_block,
                        dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
-        elif lq.get("pairs"):  # two neighbouring tokens per program over their blocks' union (attempt 77)
-            launch_tma(_sel_bwd_dq_ds_pair, (triton.cdiv(T, 2), B * HKV),
-                       (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), specs,
-                       lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n)))
         else:
             launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
                        specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))

@@ -3,10 +3,10 @@ batch, KV head) with the G query heads as rows, as the forward.
 
 - _sel_bwd_dq recomputes QK^T and dO V^T per selected block (where the dS buffer does not fit the budget);
 - _sel_bwd_dq_ds multiplies the dS that the dK/dV walk stored by K: one matmul per block, K alone read;
-- _sel_bwd_dq_pair and _sel_bwd_dq_ds_pair do the first and the second for two neighbouring tokens over the union of
-  their blocks (attempts 78 and 77): a block both chose is read once;
-- _sel_bwd_dq_tokens and _sel_bwd_dq_ds_tokens do them for NT neighbouring tokens as one [NT G, D] tile (attempt
-  80; at G 16 and NT 4 one warpgroup's 64 MMA rows).
+- _sel_bwd_dq_tokens and _sel_bwd_dq_ds_tokens do them for NT neighbouring tokens as one [NT G, D] tile over the
+  union of their blocks (attempt 80; at G 16 and NT 4 one warpgroup's 64 MMA rows): a block several of them chose is
+  read once. (The pair kernels of attempts 77 and 78, two tokens in separate tiles, were removed after attempt 80;
+  NT 2 covers two tokens.)
 """
 
 from __future__ import annotations
@@ -111,42 +111,6 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 
 
 @triton.jit
-def _sel_bwd_dq_ds_pair(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
-                        NSEL: tl.constexpr, NP: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                        ACC: tl.constexpr, TMA: tl.constexpr):
-    """_sel_bwd_dq_ds for two neighbouring tokens, t0 = 2 * program and t1 = t0 + 1, over the union of their blocks
-    (attempt 77): a block both chose has its K tile loaded once (K is what this L2-bound kernel reads) and multiplied
-    by each token's dS in that token's own MMA, so no row is masked out. First t0's used slots, with t1's dS where t1
-    chose the block too (zeros where not), then t1's other slots. t1's blocks are summed in another order than
-    _sel_bwd_dq_ds's (rounding only)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = 2 * pid
-    g = tl.arange(0, GR)
-    row_ok = g < G
-    h = kv * G + g
-    dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
-    pair0, i1, n0, order, n_extra = _pair_lists(IDX, b, kv, t0, T, HKV, NSEL, NP)
-    dq0 = tl.zeros([GR, DKP], tl.float32)
-    dq1 = tl.zeros([GR, DKP], tl.float32)
-    for s in range(0, n0):
-        blk = tl.load(IDX + pair0 + s).to(tl.int32)
-        hit = i1 == blk
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
-        both = g * 0 + tl.sum(hit.to(tl.int32), 0)
-        ds1 = _pair_ds(DSB, pair0 + NSEL + tl.sum(tl.where(hit, j, 0), 0), g, c, row_ok & (both > 0), G, LP, TMA)
-        dq0 += tl.dot(_pair_ds(DSB, pair0 + s, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
-        dq1 += tl.dot(tl.where((both > 0)[:, None], ds1, 0.0).to(k.dtype), k)
-    for e in range(0, n_extra):  # t1's slots whose block t0 did not choose
-        s1 = tl.sum(tl.where(j == e, order, 0), 0)
-        blk = tl.load(IDX + pair0 + NSEL + s1).to(tl.int32)
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
-        dq1 += tl.dot(_pair_ds(DSB, pair0 + NSEL + s1, g, c, row_ok, G, LP, TMA).to(k.dtype), k)
-    _store_dq(DQ, dq0 * sm_scale, b, t0, h, row_ok, dk, T, G, HKV, DK, ACC)
-    _store_dq(DQ, dq1 * sm_scale, b, t0 + 1, h, row_ok & (g * 0 + t0 + 1 < T), dk, T, G, HKV, DK, ACC)
-
-
-@triton.jit
 def _sel_bwd_dq_ds_tokens(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                           NSEL: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr, GR: tl.constexpr,
                           DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
@@ -213,62 +177,6 @@ def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb,
 
 
 @triton.jit
-def _sel_bwd_dq_pair(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                     T, G, HKV, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
-                     NP: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                     DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
-    """_sel_bwd_dq (dQ recomputed) for two neighbouring tokens, t0 = 2 * program and t1 = t0 + 1, over the union of
-    their blocks (attempt 78): a block both chose has its K and V tiles loaded once; each token's three MMAs run in
-    its own 16-row tiles and only on the blocks it chose (a branch skips t1's where it did not). First t0's used
-    slots, then t1's other slots; t1's blocks summed in another order than _sel_bwd_dq's (rounding only)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t0 = 2 * pid
-    g = tl.arange(0, GR)
-    h = kv * G + g
-    dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
-    ok0, q0, do0, lse0, delta0, s_min0 = _pair_token(Q, DO, LSE, DELTA, DS, sqb, sqt, sqh, b, t0, h, g < G, T, G, HKV,
-                                                     DK, DV, DKP, DVP, DOC)
-    ok1, q1, do1, lse1, delta1, s_min1 = _pair_token(Q, DO, LSE, DELTA, DS, sqb, sqt, sqh, b, t0 + 1, h, g < G, T, G,
-                                                     HKV, DK, DV, DKP, DVP, DOC)
-    pair0, i1, n0, order, n_extra = _pair_lists(IDX, b, kv, t0, T, HKV, NSEL, NP)
-    dq0 = tl.zeros([GR, DKP], tl.float32)
-    dq1 = tl.zeros([GR, DKP], tl.float32)
-    for s in range(0, n0):
-        blk = tl.load(IDX + pair0 + s).to(tl.int32)
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
-        v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
-        s_pos = blk * LP + c
-        dq0 = _dq_step(q0, do0, lse0, delta0, k, v, (c < LP) & (s_pos <= t0) & (s_pos >= s_min0), dq0, qk_scale)
-        if tl.sum((i1 == blk).to(tl.int32), 0) > 0:  # t1 chose it too
-            dq1 = _dq_step(q1, do1, lse1, delta1, k, v, (c < LP) & (s_pos <= t0 + 1) & (s_pos >= s_min1), dq1,
-                           qk_scale)
-    for e in range(0, n_extra):  # t1's slots whose block t0 did not choose
-        blk = tl.load(IDX + pair0 + NSEL + tl.sum(tl.where(j == e, order, 0), 0)).to(tl.int32)
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
-        v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
-        s_pos = blk * LP + c
-        dq1 = _dq_step(q1, do1, lse1, delta1, k, v, (c < LP) & (s_pos <= t0 + 1) & (s_pos >= s_min1), dq1, qk_scale)
-    _store_dq(DQ, dq0 * sm_scale, b, t0, h, ok0, dk, T, G, HKV, DK, ACC)
-    _store_dq(DQ, dq1 * sm_scale, b, t0 + 1, h, ok1, dk, T, G, HKV, DK, ACC)
-
-
-@triton.jit
-def _pair_lists(IDX, b, kv, t0, T, HKV, NSEL: tl.constexpr, NP: tl.constexpr):
-    """The selections of a token pair t0, t1 = t0 + 1 for the pair kernels: (pair0, t0's first (token, slot) pair,
-    t1's is pair0 + NSEL; i1, t1's blocks [NP], -1 unused or past T; n0, t0's used slots, which come first as
-    select.py sorts them; order, n_extra: t1's slots whose block t0 did not choose, their indices sorted first)."""
-    j = tl.arange(0, NP)
-    pair0 = ((b * HKV + kv) * T + t0) * NSEL
-    # (masks from vectors only: the interpreter mis-types bool scalars)
-    i0 = tl.load(IDX + pair0 + j, mask=j < NSEL, other=-1).to(tl.int32)
-    i1 = tl.load(IDX + pair0 + NSEL + j, mask=(j < NSEL) & (j * 0 + t0 + 1 < T), other=-1).to(tl.int32)
-    extra = (i1 >= 0) & (tl.sum((i1[:, None] == i0[None, :]).to(tl.int32), 1) == 0)
-    order = tl.sort(tl.where(extra, j, 1 << 30))
-    return pair0, i1, tl.sum((i0 >= 0).to(tl.int32), 0), order, tl.sum(extra.to(tl.int32), 0)
-
-
-@triton.jit
 def _pair_rows(X, b, kv, blk, c, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                DP: tl.constexpr, TMA: tl.constexpr):
     """A used slot's K or V tile [BS, DP] (rows past T read as zeros; their dS and P are 0 too)."""
@@ -280,33 +188,3 @@ def _pair_rows(X, b, kv, blk, c, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.cons
         x = tl.load(X + b * sxb + s_pos[:, None] * sxs + kv * sxh + d[None, :],
                     mask=((c < LP) & (s_pos < T))[:, None] & (d[None, :] < D), other=0.0)
     return x
-
-
-@triton.jit
-def _pair_token(Q, DO, LSE, DELTA, DS, sqb, sqt, sqh, b, t, h, row_ok, T, G, HKV, DK: tl.constexpr,
-                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
-    """One token of a pair for the dQ recompute: (its rows, q, dO, LSE, delta, s_min); a token past T has no rows."""
-    ok = row_ok & (h * 0 + t < T)
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q = tl.load(Q + b * sqb + t * sqt + h[:, None] * sqh + dk[None, :], mask=ok[:, None] & (dk[None, :] < DK),
-                other=0.0)
-    row = (b * T + t) * (HKV * G) + h
-    do = tl.load(DO + row[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + row, mask=ok, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=ok, other=0.0)
-    s_min = 0
-    if DOC:
-        s_min = tl.load(DS + b * T + tl.minimum(t, T - 1))
-    return ok, q, do, lse, delta, s_min
-
-
-@triton.jit
-def _pair_ds(DSB, pair, g, c, rows, G, LP: tl.constexpr, TMA: tl.constexpr):
-    """The dS the dK/dV walk stored for one (token, slot) pair, [GR, BS] (rows past G: zeros with pointers, the next
-    slots' with descriptors; neither reaches a stored dQ row). ``rows``: which rows to read (pointer loads only)."""
-    if TMA:
-        ds = DSB.load([(pair * G).to(tl.int32), 0])
-    else:
-        ds = tl.load(DSB + (pair * G + g[:, None]) * LP + c[None, :], mask=rows[:, None] & (c < LP)[None, :],
-                     other=0.0)
-    return ds

@@ -120,9 +120,10 @@ TUNED: dict[tuple, dict] = {
     # m7c's G 6 (NT 8 x 8 rows, attempt 81): the whole m7c model lost 1.2 % at 8k and 5.5 % at 32k (train_m7tok_*_s20).
     ("sel_fwd", 16, 128, False): dict(algo="tokens", NT=4, tma=True, num_warps=4, num_stages=3),
     # dQ recomputed (where dS does not fit: the paper config from 16k at batch 1) for two neighbouring tokens over
-    # their blocks' union (selected_dq._sel_bwd_dq_pair, attempt 78). H100, whole selected backward, batch 2,
-    # queries correlated along T at 0.9 (the 1b's trained overlap; sweep_selected_rpairs_qc09_s19_*), against one
-    # token per program: paper 8k 8.61 -> 8.07 ms, 32k 35.93 -> 33.43; 1b 8k 2.31 -> 2.10, 32k 9.07 -> 8.34.
+    # their blocks' union (selected_dq._sel_bwd_dq_pair, attempt 78; removed after attempt 80). H100, whole
+    # selected backward, batch 2, queries correlated along T at 0.9 (the 1b's trained overlap;
+    # sweep_selected_rpairs_qc09_s19_*), against one token per program: paper 8k 8.61 -> 8.07 ms, 32k 35.93 ->
+    # 33.43; 1b 8k 2.31 -> 2.10, 32k 9.07 -> 8.34.
     # Since attempt 80 (twentieth session): four tokens per program as one 64-row tile (selected_dq._sel_bwd_dq_tokens).
     # Whole selected backward, batch 2, against the pairs: correlated queries (sweep_selected_dqtok_rc_qc09_s20b_*)
     # 1b 8k 2.10 -> 1.83 ms, 32k 8.30 -> 7.45, paper 8k 8.05 -> 6.80, 32k 33.3 -> 29.5; random queries
@@ -137,10 +138,10 @@ TUNED: dict[tuple, dict] = {
     # rounds): `_sel_bwd_dq_ds` 0.618 -> 0.436 ms at 1b 8k batch 2 (attention 1.042x), 1.289 -> 1.026 at 32k batch 1
     # (1.020x), paper 8k 1.286 -> 0.852 (1.057x).
     # Since attempt 77 (nineteenth session): two neighbouring tokens per program over their blocks' union
-    # (selected_dq._sel_bwd_dq_ds_pair), the same 2 warps / 3 stages. Whole selected backward, batch 2: queries
-    # correlated at 0.9 (sweep_selected_pairs_qc09_s19_*) 1b 8k 1.842 -> 1.745 ms, 32k 7.53 -> 6.95, paper 8k 6.89
-    # -> 6.47, 32k 29.45 -> 27.80; random queries (sweep_selected_pairs_s19_*) 1b 8k 1.563 -> 1.545, 32k 6.41 ->
-    # 6.45, paper 8k 6.18 -> 6.10, 32k 26.95 -> 27.03.
+    # (selected_dq._sel_bwd_dq_ds_pair, removed after attempt 80), the same 2 warps / 3 stages. Whole selected
+    # backward, batch 2: queries correlated at 0.9 (sweep_selected_pairs_qc09_s19_*) 1b 8k 1.842 -> 1.745 ms, 32k
+    # 7.53 -> 6.95, paper 8k 6.89 -> 6.47, 32k 29.45 -> 27.80; random queries (sweep_selected_pairs_s19_*) 1b 8k
+    # 1.563 -> 1.545, 32k 6.41 -> 6.45, paper 8k 6.18 -> 6.10, 32k 26.95 -> 27.03.
     # Since attempt 80 (twentieth session): four tokens per program as one 64-row tile
     # (selected_dq._sel_bwd_dq_ds_tokens). Against the pairs: correlated queries (sweep_selected_dqtok_qc09_s20b_*)
     # 1b 8k 1.826 -> 1.716 ms, 32k 7.21 -> 6.82, paper 8k 6.85 -> 6.40, 32k 28.6 -> 26.8; random queries
