@@ -209,6 +209,10 @@ def test_sel_dq_cfg_with_the_removed_pairs_key_is_refused_before_launching():
             selected_bwd.sel_bwd(q, q, k, k, q, q[..., 0], idx, lp, cfg_dq=dict(algo=algo, pairs=True),
                                  delta=q[..., 0])
         assert selected._cfg("sel_dq", q, k, 2, n, lp, dict(algo=algo, pairs=False, NT=2))["NT"] == 2
+    # The forward's old pair kernel (algo "pairs", attempt 74) is NT 2 of algo "tokens": an unknown algo is refused.
+    with pytest.raises(ValueError, match="algo='tokens' with NT=2"):
+        selected._cfg("sel_fwd", q, k, 2, n, lp, dict(algo="pairs"))
+    assert selected._cfg("sel_fwd", q, k, 2, n, lp, dict(algo="tokens", NT=2))["NT"] == 2
 
 
 def test_kernel_resources_reads_cuobjdump_usage_lines():

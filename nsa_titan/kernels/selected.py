@@ -234,6 +234,9 @@ DS_BUDGET = 2 << 30
 BLOCKS_MIN_TOKENS = 2048
 
 
+ALGOS = {"sel_fwd": ("token", "tokens", "blocks"), "sel_dq": ("ds", "recompute", "partials")}  # _cfg's algorithms
+
+
 def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: int | None = None) -> dict:
     """Launch shape: NPI (selected blocks per loop step), rows (dK/dV query rows per tile), warps, stages, and
     the algorithm: for the forward 'token' (one program per token, this file), 'tokens' (NT neighbouring tokens
@@ -296,6 +299,9 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
         tuned = {k: v for k, v in tuned.items() if k not in ("NPI", "tma")}
     c.update(tuned)
     c.update(cfg or {})
+    if c.get("algo") is not None and c["algo"] not in ALGOS.get(kernel, ()):
+        raise ValueError(f"{kernel} cfg algo={c['algo']!r}: not one of {ALGOS.get(kernel, ())} (the forward's "
+                         "'pairs' is algo='tokens' with NT=2 since attempt 79)")
     if kernel == "sel_dq" and c.get("pairs"):
         raise ValueError("sel_dq cfg pairs=True: the pair dQ kernels (attempts 77/78) were removed after attempt 80; "
                          "use NT=2 or NT=4 (the multi-token kernels selected_dq._sel_bwd_dq_tokens / "
