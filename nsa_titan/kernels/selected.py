@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, finish_softmax, online_softmax
 from nsa_titan.kernels.combine import pow2
-from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import block_tile, load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
@@ -128,12 +128,8 @@ def _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs,
     key's V still meets P = 0 in the MMA, and 0 * NaN would poison the row)."""
     r = tl.arange(0, BS)
     s_pos = blk * LP + r
-    if TMA:
-        k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
-        v = V.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DVP)
-    else:
-        k, v = load_kv_rows(K, V, b, kv, s_pos, (r < LP) & (s_pos < T), skb, sks, skh, svb, svs, svh, DK, DV, DKP,
-                            DVP)
+    k = block_tile(K, b, kv, blk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+    v = block_tile(V, b, kv, blk, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
     vis = ((r < LP)[None, :] & (s_pos[None, :] <= tok[:, None]) & (s_pos[None, :] >= s_min[:, None])
            & live[:, None])
     s = tl.dot(q, tl.trans(k)) * qk_scale

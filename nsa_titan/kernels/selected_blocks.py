@@ -52,6 +52,23 @@ def load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK: tl
 
 
 @triton.jit
+def block_tile(X, b, kv, blk, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr, TMA: tl.constexpr):
+    """Block blk's K or V rows of (batch b, KV head kv) as one [BS, DP] tile, the multi-token kernels' load: with
+    TMA through X's [B, S, HKV, D] descriptor ([1, BS, 1, D] boxes; rows before 0 or past S read as zeros, rows
+    past l' are the next block's and must be masked by the caller), else pointer loads with rows past l' or past T
+    as zeros."""
+    if TMA:
+        x = X.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DP)
+    else:
+        c, d = tl.arange(0, BS), tl.arange(0, DP)
+        s_pos = blk * LP + c
+        x = tl.load(X + b * sxb + s_pos[:, None] * sxs + kv * sxh + d[None, :],
+                    mask=((c < LP) & (s_pos < T))[:, None] & (d[None, :] < D), other=0.0)
+    return x
+
+
+@triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
                     NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.selected import token_block_kv, token_group, token_heads, token_rows, token_slot_kv, union_walk
+from nsa_titan.kernels.selected_blocks import block_tile
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def _sel_bwd_dq_ds_tokens(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, L
     dq = tl.zeros([NT * GR, DKP], tl.float32)
     for w in range(0, n_walk):
         blk = (tl.sum(tl.where(rank == w, packed, 0), 0) >> NT).to(tl.int32)
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        k = block_tile(K, b, kv, blk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
         hit = lists == blk
         live = row_ok & (tl.sum(hit.to(tl.int32), 1) > 0)  # the row's token chose the block
         slot = tl.sum(tl.where(hit, j[None, :], 0), 1)
@@ -165,8 +166,8 @@ def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb,
         pk = tl.sum(tl.where(rank == w, packed, 0), 0)
         blk = (pk >> NT).to(tl.int32)
         live = row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)  # the row's token chose the block
-        k = _pair_rows(K, b, kv, blk, c, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
-        v = _pair_rows(V, b, kv, blk, c, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
+        k = block_tile(K, b, kv, blk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
+        v = block_tile(V, b, kv, blk, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
         s_pos = blk * LP + c
         vis = (c < LP)[None, :] & (s_pos[None, :] <= tok[:, None]) & (s_pos[None, :] >= s_min[:, None]) & live[:, None]
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -174,17 +175,3 @@ def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb,
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     _store_dq_rows(DQ, dq * sm_scale, row, row_ok, dk, DK, ACC)
-
-
-@triton.jit
-def _pair_rows(X, b, kv, blk, c, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, TMA: tl.constexpr):
-    """A used slot's K or V tile [BS, DP] (rows past T read as zeros; their dS and P are 0 too)."""
-    if TMA:
-        x = X.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DP)
-    else:
-        d = tl.arange(0, DP)
-        s_pos = blk * LP + c
-        x = tl.load(X + b * sxb + s_pos[:, None] * sxs + kv * sxh + d[None, :],
-                    mask=((c < LP) & (s_pos < T))[:, None] & (d[None, :] < D), other=0.0)
-    return x
