@@ -724,6 +724,66 @@ def _band_tma_check(device):
             and naive < TOL["float32"], "worst": worst, "naive": naive, "took_tma": took, "fallback_d24": fallback}
 
 
+def _band_dq2_check(device):
+    """The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) against the two
+    band_bwd dQ calls the model's backward makes otherwise, both adding into a dQ that holds another branch's part:
+    pointer loads and descriptors, G = 3 over two KV heads and over one, batch 2, with documents. Against float64:
+    the given dQ plus each branch's float64 band-attention dQ (``_naive_band``). Dropping either branch, or the
+    dQ already there, fails it by O(1)."""
+    import torch
+
+    from nsa_titan.kernels import band, band_bwd, combine
+
+    worst, naive = {}, 0.0
+    B, T, D, win, (kstride, koff) = 2, 100, 16, 40, (4, 7)
+    doc = doc_starts([[0, 37, 70], [0, 50, 51]], T).to(device=device, dtype=torch.int32)
+    for name, (HQ, HKV, ds, use) in {"g3_hkv2": (6, 2, None, False), "g3_hkv2_tma": (6, 2, None, True),
+                                     "g3_doc_tma": (3, 1, doc, True), "g3_doc": (3, 1, doc, False)}.items():
+        gen = torch.Generator().manual_seed(7)
+        S = (T - koff - 1) // kstride + 1
+        q, do, base = (torch.randn(B, T, HQ, D, generator=gen).to(device) for _ in range(3))
+        kw, vw = (torch.randn(B, T, HKV, D, generator=gen).to(device) for _ in range(2))
+        kc, vc = (torch.randn(B, S, HKV, D, generator=gen).to(device) for _ in range(2))
+        cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
+        o_w, lse_w = band.band_fwd(q, kw, vw, 1, 0, win, cfg=cfg, doc_start=ds)
+        o_c, lse_c = band.band_fwd(q, kc, vc, kstride, koff, 0, cfg=cfg, doc_start=ds)
+        d_w, d_c = combine.rowdot(do, o_w), combine.rowdot(do, o_c)
+        two = base.clone()
+        band_bwd.band_bwd(do, q, kw, vw, o_w, lse_w, 1, 0, win, cfg_dq=cfg, delta=d_w, dq_acc=two, doc_start=ds,
+                          parts="dq")
+        band_bwd.band_bwd(do, q, kc, vc, o_c, lse_c, kstride, koff, 0, cfg_dq=cfg, delta=d_c, dq_acc=two,
+                          doc_start=ds, parts="dq")
+        one = band_bwd.band_dq2(do, q, (kw, vw, lse_w, d_w, 1, 0, win), (kc, vc, lse_c, d_c, kstride, koff, 0),
+                                base.clone(), doc_start=ds, cfg=cfg)
+        worst[name] = rel_err(one, two)
+        want = base.cpu().double()
+        for k, v, geo in ((kw, vw, (1, 0, win)), (kc, vc, (kstride, koff, 0))):
+            want = want + _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), *geo, ds)[1]
+        naive = max(naive, rel_err(one.cpu().double(), want))
+    # The model's backward with it switched on (a tuned.py entry): whole attention against the float64 reference.
+    from nsa_titan.kernels.combine import pow2
+    from nsa_titan.kernels.tuned import TUNED
+
+    model, calls = {}, []
+    fused = band_bwd.band_dq2
+    band_bwd.band_dq2 = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    try:
+        for case in (CASES[1], DOC_CASES[1]):  # G 2 with Dk != Dv; G 6 over two KV heads with documents
+            key = ("band_dq2", pow2(case[3] // case[4]), max(case[5], case[6]), False)
+            TUNED[key] = dict(rows=16, BK=16, num_warps=4, num_stages=1)
+            try:
+                model[case[0]] = run_case(case, device)
+            finally:
+                del TUNED[key]
+    finally:
+        band_bwd.band_dq2 = fused
+    # fp32 on both paths; the fused one adds the two branches before the given dQ (one rounding fewer)
+    return {"ok": max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"]) and naive < TOL["float32"]
+            and len(calls) >= len(model) and all(r["ok"] for r in model.values()),
+            "worst": worst, "naive": naive, "model": {k: r["worst"] for k, r in model.items()},
+            "fused_calls": len(calls)}
+
+
 def _decode_fused_check(device):
     """The fused decode kernel (kernels/decode.py): a tiny NSA model decoded token by token through it gives the
     logits of a full forward. The model's attention weights are sharpened (tests/test_decode.py) so that a wrong
@@ -770,4 +830,4 @@ CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_che
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
-          ("decode_fused", _decode_fused_check))
+          ("band_dq2", _band_dq2_check), ("decode_fused", _decode_fused_check))

@@ -215,6 +215,19 @@ def test_sel_dq_cfg_with_the_removed_pairs_key_is_refused_before_launching():
     assert selected._cfg("sel_fwd", q, k, 2, n, lp, dict(algo="tokens", NT=2))["NT"] == 2
 
 
+def test_band_dq2_refuses_a_second_branch_without_keys():
+    """band_bwd.band_dq2 (two branches' dQ in one launch) needs keys in its second branch; with none (T shorter
+    than one compression block) it names the one-branch call to make instead, before any launch."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import band_bwd
+
+    q, k, lse = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 2)
+    with pytest.raises(ValueError, match="parts='dq'"):
+        band_bwd.band_dq2(q, q, (k, k, lse, lse, 1, 0, 4), (k[:, :0], k[:, :0], lse, lse, 4, 7, 0), q.clone())
+
+
 def test_kernel_resources_reads_cuobjdump_usage_lines():
     """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
     resource line of cuobjdump --dump-resource-usage."""

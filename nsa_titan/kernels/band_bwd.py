@@ -24,6 +24,7 @@ from nsa_titan.kernels.band import (
 )
 from nsa_titan.kernels.combine import add_splits, pow2, rowdot
 from nsa_titan.kernels.tma import kv_specs, launch_tma
+from nsa_titan.kernels.tuned import TUNED
 
 
 @triton.jit
@@ -102,22 +103,11 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
 
 
 @triton.jit
-def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                 T, TQ, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
-                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
-                 BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
-                 SPLIT: tl.constexpr, TMA: tl.constexpr):
-    """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
-    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
-    t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
-    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
-    q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
-    q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
-    do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+def _dq_branch(q, do, dq, K, V, LSE, DELTA, DS, pid_m, pid_bh, b, kv, t, h, row_ok, skb, sks, skh, svb, svs, svh, T,
+               TQ, S, HKV, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr,
+               ROWS: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+               DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """One branch's keys added to a query tile's dQ accumulator (unscaled): masked edges, the mask-free interior."""
     lse = tl.load(LSE + (b * T + t) * (HKV * G) + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * T + t) * (HKV * G) + h, mask=row_ok, other=0.0)
     ds, i_start, i_end, m1, m2 = _tile_keys(DS, pid_m, b, t, row_ok, T, TQ, S, G, ROWS, KSTRIDE, KOFF, WIN, BK, DOC,
@@ -127,7 +117,6 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     else:
         kb, vb = K + b * skb + kv * skh, V + b * svb + kv * svh
     bkv = (pid_bh // HKV, kv)
-    dq = tl.zeros([ROWS, DKP], tl.float32)
     for i0 in range(i_start, m1, BK):
         dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
                       DK, DV, DKP, DVP, DOC, True, TMA)
@@ -137,11 +126,67 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
     for i0 in range(m2, i_end, BK):
         dq = _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_scale, KSTRIDE, KOFF, WIN, BK,
                       DK, DV, DKP, DVP, DOC, True, TMA)
+    return dq
+
+
+@triton.jit
+def _dq_rows(Q, DO, sqb, sqt, sqh, T, TQ, HKV, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
+             DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """A dQ program's query tile: -> (pid_m, pid_bh, b, kv, t, h, row_ok, q, do, dk)."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
+    t, h, row_ok = _rows(pid_m * ROWS, kv, TQ * G, G, ROWS)
+    dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
+    q_off = b * sqb + t[:, None] * sqt + h[:, None] * sqh
+    q = tl.load(Q + q_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do_off = b * (T * HKV * G * DV) + t[:, None] * (HKV * G * DV) + h[:, None] * DV
+    do = tl.load(DO + do_off + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    return pid_m, pid_bh, b, kv, t, h, row_ok, q, do, dk
+
+
+@triton.jit
+def _store_band_dq(DQ, dq, b, t, h, row_ok, dk, T, HKV, G: tl.constexpr, DK: tl.constexpr, ACC: tl.constexpr):
     dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
-    dq = dq * sm_scale
     if ACC:
         dq += tl.load(DQ + dq_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
     tl.store(DQ + dq_off + dk[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
+def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+                 T, TQ, S, HKV, qk_scale, sm_scale, G: tl.constexpr,
+                 KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
+                 BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr, DOC: tl.constexpr,
+                 SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """dQ per query tile; DO and DQ are contiguous [B, T, HQ, D]. ACC: add to the dQ already in DQ (another
+    branch's), in fp32, instead of overwriting it (each row is read and written by one program: deterministic)."""
+    pid_m, pid_bh, b, kv, t, h, row_ok, q, do, dk = _dq_rows(Q, DO, sqb, sqt, sqh, T, TQ, HKV, G, ROWS, DK, DV, DKP,
+                                                             DVP)
+    dq = _dq_branch(q, do, tl.zeros([ROWS, DKP], tl.float32), K, V, LSE, DELTA, DS, pid_m, pid_bh, b, kv, t, h,
+                    row_ok, skb, sks, skh, svb, svs, svh, T, TQ, S, HKV, qk_scale, G, KSTRIDE, KOFF, WIN, ROWS, BK,
+                    DK, DV, DKP, DVP, DOC, SPLIT, TMA)
+    _store_band_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, HKV, G, DK, ACC)
+
+
+@triton.jit
+def _band_bwd_dq2(Q, K, V, K2, V2, DO, LSE, DELTA, LSE2, DELTA2, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs,
+                  svh, skb2, sks2, skh2, svb2, svs2, svh2, T, S, S2, HKV, qk_scale, sm_scale, G: tl.constexpr,
+                  KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, KSTRIDE2: tl.constexpr,
+                  KOFF2: tl.constexpr, WIN2: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr,
+                  DOC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """_band_bwd_dq for two branches over the same queries (the window's and the compressed branch's keys): Q and
+    dO loaded once, one dQ accumulator, one read-modify-write of DQ instead of two (attempt 82)."""
+    pid_m, pid_bh, b, kv, t, h, row_ok, q, do, dk = _dq_rows(Q, DO, sqb, sqt, sqh, T, T, HKV, G, ROWS, DK, DV, DKP,
+                                                             DVP)
+    dq = _dq_branch(q, do, tl.zeros([ROWS, DKP], tl.float32), K, V, LSE, DELTA, DS, pid_m, pid_bh, b, kv, t, h,
+                    row_ok, skb, sks, skh, svb, svs, svh, T, T, S, HKV, qk_scale, G, KSTRIDE, KOFF, WIN, ROWS, BK,
+                    DK, DV, DKP, DVP, DOC, SPLIT, TMA)
+    dq = _dq_branch(q, do, dq, K2, V2, LSE2, DELTA2, DS, pid_m, pid_bh, b, kv, t, h, row_ok, skb2, sks2, skh2, svb2,
+                    svs2, svh2, T, T, S2, HKV, qk_scale, G, KSTRIDE2, KOFF2, WIN2, ROWS, BK2, DK, DV, DKP, DVP, DOC,
+                    SPLIT, TMA)
+    _store_band_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, HKV, G, DK, ACC)
 
 
 @triton.jit
@@ -286,3 +331,36 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     dkv_out[0].copy_(dk)
     dkv_out[1].copy_(dv)
     return dq, *dkv_out
+
+
+def band_dq2(do, q, first: tuple, second: tuple, dq_acc, doc_start=None, cfg: dict | None = None):
+    """dQ of two band branches over the same queries in one launch (_band_bwd_dq2), added into ``dq_acc``
+    (contiguous [B,T,HQ,Dk]; returned). Each branch is (k, v, lse, delta, kstride, koff, window), as band_bwd takes
+    them; the second must have keys (S > 0). Launch shape: tuned.py's ("band_dq2", ...) entry (``cfg`` overrides it,
+    as in band_bwd), one key tile size for both branches.
+
+    Attempt 82 (prepared): the model's backward runs the window's and the compressed branch's dQ this way where
+    ``dq2_enabled`` says so (a tuned.py entry; none yet), else as two band_bwd calls."""
+    B, T, HQ, DK = q.shape
+    (k, v, lse, delta, kstride, koff, window), (k2, v2, lse2, delta2, kstride2, koff2, window2) = first, second
+    if k2.shape[1] == 0:
+        raise ValueError("band_dq2: the second branch has no keys; run band_bwd(parts='dq') for the first alone")
+    HKV, DV = k.shape[2], v.shape[-1]
+    G = HQ // HKV
+    rows, bk, kw, tma = _launch("band_dq2", G, max(DK, DV), False, q, cfg)
+    do = do.contiguous()
+    ds = delta if doc_start is None else doc_start
+    dims = dict(G=G, KSTRIDE=kstride, KOFF=koff, WIN=window, KSTRIDE2=kstride2, KOFF2=koff2, WIN2=window2, DK=DK,
+                DV=DV, DKP=pow2(max(DK, 16)), DVP=pow2(max(DV, 16)), DOC=doc_start is not None)
+    specs = {**kv_specs(k, v, bk), **{i + 2: spec for i, spec in kv_specs(k2, v2, bk).items()}}
+    launch_tma(_band_bwd_dq2, (triton.cdiv(T * G, rows), B * HKV),
+               (q, k, v, k2, v2, do, lse, delta, lse2, delta2, dq_acc, ds, *q.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], *k2.stride()[:3], *v2.stride()[:3], T, k.shape[1], k2.shape[1], HKV,
+                DK**-0.5 * LOG2E, DK**-0.5), specs, tma, dict(ROWS=rows, BK=bk, BK2=bk, **dims, ACC=True, **kw))
+    return dq_acc
+
+
+def dq2_enabled(G: int, dmax: int) -> bool:
+    """Whether the model's backward fuses the window's and the compressed branch's dQ (band_dq2): tuned.py has a
+    ("band_dq2", next_pow2(G), head dim, False) launch shape."""
+    return ("band_dq2", pow2(G), dmax, False) in TUNED

@@ -203,11 +203,15 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
             band_bwd.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
-    band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
-                  doc_start=doc_start, parts="dq")
-    if k_cmp.shape[1]:
-        band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
-                      dq_acc=dq, doc_start=doc_start, parts="dq")
+    if k_cmp.shape[1] and band_bwd.dq2_enabled(q.shape[2] // k_win.shape[2], max(q.shape[-1], v_win.shape[-1])):
+        band_bwd.band_dq2(dout, q, (k_win, v_win, lse_win, delta[2], 1, 0, window),
+                          (k_cmp, v_cmp, lse_cmp, delta[0], cmp_stride, cmp_block - 1, 0), dq, doc_start=doc_start)
+    else:
+        band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
+                          doc_start=doc_start, parts="dq")
+        if k_cmp.shape[1]:
+            band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
+                              dq_acc=dq, doc_start=doc_start, parts="dq")
     fork.join()
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
