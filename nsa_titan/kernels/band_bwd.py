@@ -196,7 +196,8 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
                    TMA: tl.constexpr, KT: tl.constexpr):
-    """dK/dV of one key tile over one split of the queries that see it; fp32 partials [NSPLIT, B, S, HKV, D]. With
+    """dK/dV of one key tile over one split of the queries that see it; partials [NSPLIT, B, S, HKV, D] (fp32, or the
+    outputs themselves in their dtype when NSPLIT is 1). With
     TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive)."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -233,8 +234,9 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                                   acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA,
                                   KT)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
-    tl.store(DKP_ + base * DK + dk[None, :], acc_k * sm_scale, mask=kmask[:, None] & (dk[None, :] < DK))
-    tl.store(DVP_ + base * DV + dv[None, :], acc_v, mask=kmask[:, None] & (dv[None, :] < DV))
+    tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
+             mask=kmask[:, None] & (dk[None, :] < DK))
+    tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -312,8 +314,17 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     if parts == "dq":
         return dq, None, None
     rows, bk, kw, tma, kt, nsplit = _dkdv_launch(G, max(DK, DV), window, q, cfg_dkdv, S, tq, B, HKV)
-    dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
-    dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
+    # One split (the window branch): the kernel rounds dK / dV into the outputs itself (contiguous [B, S, HKV, D] is
+    # the partials' layout with NSPLIT = 1), not into fp32 partials that a cast copies afterwards.
+    direct = dkv_acc is None and nsplit == 1
+    if direct:
+        outs = dkv_out if dkv_out is not None and all(x.is_contiguous() for x in dkv_out) else None
+        dk, dv = outs if outs is not None else (torch.empty(B, S, HKV, DK, device=q.device, dtype=k.dtype),
+                                                torch.empty(B, S, HKV, DV, device=q.device, dtype=v.dtype))
+        dkp, dvp = dk.unsqueeze(0), dv.unsqueeze(0)
+    else:
+        dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
+        dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
@@ -324,8 +335,10 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         add_splits(dkp, dk)
         add_splits(dvp, dv)
         return dq, dk, dv
-    # One split (the window branch): a cast, no reduction over a size-1 dimension.
-    dk, dv = (dkp[0], dvp[0]) if nsplit == 1 else (dkp.sum(0), dvp.sum(0))
+    if not direct:
+        dk, dv = dkp.sum(0), dvp.sum(0)
+    elif dkv_out is None or dk is dkv_out[0]:
+        return dq, dk, dv
     if dkv_out is None:
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     dkv_out[0].copy_(dk)
