@@ -25,6 +25,7 @@ from attention_checks import make_inputs, picked_variants, run_sweep, sweep_pars
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
 from nsa_titan.kernels import band, band_bwd  # noqa: E402
+from nsa_titan.kernels.combine import rowdot  # noqa: E402
 
 
 def _v(rows, BK, w, st):
@@ -48,10 +49,18 @@ VARIANTS = {  # first: the default; then without the mask-free interior; then (f
                   dict(keys_rows=True), dict(keys_rows=True, **_v(64, 128, 8, 2)),
                   dict(keys_rows=True, **_v(64, 64, 4, 2)), dict(keys_rows=True, **_v(128, 64, 8, 2)),
                   dict(keys_rows=True, **_v(64, 128, 8, 3)), dict(keys_rows=True, **_v(32, 128, 8, 2))],
+    # The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) against the two
+    # band_bwd dQ calls (the first variant), both adding into a dQ buffer. Offline sm_90 at G 16 / head dim 128 with
+    # descriptors: 64/64/4/3 219 registers, 128/32/8/3 171, 128/64/8/4 229, 64/64/8/3 186, 64/32/4/3 171, no spills;
+    # ptxas crashes at 128/64/8/3 (the single-branch default) and at 2 stages
+    "band_dq2": [{"two": True}, _v(64, 64, 4, 3), _v(128, 32, 8, 3), _v(128, 64, 8, 4), _v(64, 64, 8, 3),
+                 _v(64, 32, 4, 3)],
 }
 
 
 def _label(c: dict) -> str:
+    if c.get("two"):
+        return "two calls"
     masked = ("/masked" if c.get("split", True) is False else "") + ("/pointers" if c.get("tma", True) is False else "")
     kt = "kt:" if c.get("keys_rows") else ""  # band_bwd's dK/dV with the keys as MMA rows
     if set(c) <= {"split", "tma", "keys_rows"}:
@@ -66,8 +75,8 @@ def case(name: str, T: int, B: int, kernels=tuple(VARIANTS), pick: list[int] | N
     q, kc, vc, _, _, kw, vw, _ = make_inputs(B, T, HQ, HKV, DK, DV, p)
     do = torch.randn(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     out = dict(config=name, T=T, B=B, G=HQ // HKV, D=max(DK, DV))
-    for geo_name, (k, v, geo) in {"cmp": (kc, vc, (p.cmp_stride, p.cmp_block - 1, 0)),
-                                  "win": (kw, vw, (1, 0, p.window))}.items():
+    geos = {"cmp": (kc, vc, (p.cmp_stride, p.cmp_block - 1, 0)), "win": (kw, vw, (1, 0, p.window))}
+    for geo_name, (k, v, geo) in geos.items():
         o, lse = band.band_fwd(q, k, v, *geo)
         jobs = {
             "band_fwd": lambda c, k=k, v=v, geo=geo: band.band_fwd(q, k, v, *geo, cfg=c)[:1],
@@ -82,10 +91,33 @@ def case(name: str, T: int, B: int, kernels=tuple(VARIANTS), pick: list[int] | N
             variants = [VARIANTS[kname][i] for i in pick] if pick else VARIANTS[kname]
             res, best = time_variants(fn, variants, fn({}), label=_label)
             out[f"{geo_name}:{kname}"] = res
-            print(f"{name} T={T} B={B} {geo_name} {kname}: "
-                  + ", ".join(f"{r['label']}={r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}" for r in res)
-                  + f"  -> best {best and best['label']} {best and best['ms']}", flush=True)
+            _report(f"{name} T={T} B={B} {geo_name} {kname}", res, best)
+    if "band_dq2" in kernels:
+        branches = []
+        for k, v, geo in (geos["win"], geos["cmp"]):
+            o, lse = band.band_fwd(q, k, v, *geo)
+            branches.append((k, v, o, lse, rowdot(do, o), geo))
+
+        def dq2(c):
+            dq = torch.zeros_like(q)
+            if c.get("two"):
+                for k, v, o, lse, delta, geo in branches:
+                    band_bwd.band_bwd(do, q, k, v, o, lse, *geo, delta=delta, dq_acc=dq, parts="dq")
+            else:
+                band_bwd.band_dq2(do, q, *[(k, v, lse, delta, *geo) for k, v, _, lse, delta, geo in branches], dq,
+                                  cfg=c)
+            return (dq,)
+
+        variants = [VARIANTS["band_dq2"][i] for i in pick] if pick else VARIANTS["band_dq2"]
+        res, best = time_variants(dq2, variants, dq2({"two": True}), label=_label)
+        out["band_dq2"] = res
+        _report(f"{name} T={T} B={B} win+cmp band_dq2", res, best)
     return out
+
+
+def _report(head, res, best):
+    print(f"{head}: " + ", ".join(f"{r['label']}={r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}" for r in res)
+          + f"  -> best {best and best['label']} {best and best['ms']}", flush=True)
 
 
 def main():
