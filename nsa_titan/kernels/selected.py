@@ -182,6 +182,13 @@ def union_walk(IDX, b, kv, t0, T, HKV, NSEL: tl.constexpr, NP: tl.constexpr, NT:
 
 
 @triton.jit
+def union_step(rank, packed, w, u, row_ok, NT: tl.constexpr):
+    """Step w of union_walk's walk: -> (its block, live: the rows whose token chose that block)."""
+    pk = tl.sum(tl.where(rank == w, packed, 0), 0)
+    return (pk >> NT).to(tl.int32), row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)
+
+
+@triton.jit
 def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
                     T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
                     NT: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
@@ -206,10 +213,9 @@ def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb,
     l_i = tl.zeros([NT * GR], tl.float32)
     acc = tl.zeros([NT * GR, DVP], tl.float32)
     for w in range(0, n_walk):
-        pk = tl.sum(tl.where(rank == w, packed, 0), 0)
-        live = row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)
-        m_i, l_i, acc = _union_block(q, K, V, (pk >> NT).to(tl.int32), tok, s_min, live, b, kv, skb, sks, skh, svb,
-                                     svs, svh, m_i, l_i, acc, qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
+        blk, live = union_step(rank, packed, w, u, row_ok, NT)
+        m_i, l_i, acc = _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, svh, m_i, l_i, acc,
+                                     qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
     finish_softmax(O, LSE, acc, m_i, l_i, b * sob + tok * sot + h * soh, (b * T + tok) * (HKV * G) + h, row_ok, DV,
                    DVP)
 
@@ -296,8 +302,8 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     c.update(tuned)
     c.update(cfg or {})
     if c.get("algo") is not None and c["algo"] not in ALGOS.get(kernel, ()):
-        raise ValueError(f"{kernel} cfg algo={c['algo']!r}: not one of {ALGOS.get(kernel, ())} (the forward's "
-                         "'pairs' is algo='tokens' with NT=2 since attempt 79)")
+        hint = " (the forward's 'pairs' is algo='tokens' with NT=2 since attempt 79)" if kernel == "sel_fwd" else ""
+        raise ValueError(f"{kernel} cfg algo={c['algo']!r}: not one of {ALGOS.get(kernel, ())}{hint}")
     if kernel == "sel_dq" and c.get("pairs"):
         raise ValueError("sel_dq cfg pairs=True: the pair dQ kernels (attempts 77/78) were removed after attempt 80; "
                          "use NT=2 or NT=4 (the multi-token kernels selected_dq._sel_bwd_dq_tokens / "

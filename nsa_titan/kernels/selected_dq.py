@@ -14,7 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.selected import token_block_kv, token_group, token_heads, token_rows, token_slot_kv, union_walk
+from nsa_titan.kernels.selected import (
+    token_block_kv,
+    token_group,
+    token_heads,
+    token_rows,
+    token_slot_kv,
+    union_step,
+    union_walk,
+)
 from nsa_titan.kernels.selected_blocks import block_tile
 
 
@@ -163,9 +171,7 @@ def _sel_bwd_dq_tokens(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb,
     n_walk, rank, packed = union_walk(IDX, b, kv, t0, T, HKV, NSEL, NP, NT)
     dq = tl.zeros([NT * GR, DKP], tl.float32)
     for w in range(0, n_walk):
-        pk = tl.sum(tl.where(rank == w, packed, 0), 0)
-        blk = (pk >> NT).to(tl.int32)
-        live = row_ok & ((((pk % (1 << NT)) >> u) & 1) == 1)  # the row's token chose the block
+        blk, live = union_step(rank, packed, w, u, row_ok, NT)
         k = block_tile(K, b, kv, blk, T, skb, sks, skh, LP, BS, DK, DKP, TMA)
         v = block_tile(V, b, kv, blk, T, svb, svs, svh, LP, BS, DV, DVP, TMA)
         s_pos = blk * LP + c
