@@ -65,7 +65,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             tgt = f">= {r['target']:.1f} " + ("met" if r["ratio"] >= r["target"] else "missed")
         lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
                      f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
-                     f"{f(r['ratio'], '.2f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
+                     f"{f(r['ratio'], '.4f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
                      f"{f(r['dense_peak_gib'], '.1f')} | {r.get('source_tag') or '-'} | "
                      f"{(r.get('date') or '-')[:10]} |")
     return "\n".join(lines) + "\n"

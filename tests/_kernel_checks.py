@@ -770,11 +770,15 @@ def _band_dq2_check(device):
     try:
         for case in (CASES[1], DOC_CASES[1]):  # G 2 with Dk != Dv; G 6 over two KV heads with documents
             key = ("band_dq2", pow2(case[3] // case[4]), max(case[5], case[6]), False)
+            before = TUNED.get(key)
             TUNED[key] = dict(rows=16, BK=16, num_warps=4, num_stages=1)
             try:
                 model[case[0]] = run_case(case, device)
             finally:
-                del TUNED[key]
+                if before is None:
+                    del TUNED[key]
+                else:
+                    TUNED[key] = before
     finally:
         band_bwd.band_dq2 = fused
     # fp32 on both paths; the fused one adds the two branches before the given dQ (one rounding fewer)

@@ -504,7 +504,10 @@ def test_whole_model_table_judges_a_target_only_against_a_dense_run():
                                                    row("triton_compile", 380e3), row("dense_compile", 370e3)]))
     md = mod.markdown(alone + paired, dict(device="H100", torch="t", triton="x"))
     assert md.count(">= 1.0 (no dense run)") == 2 and "missed | 7.5 | - | paths" not in md
-    assert "| 0.83 | >= 1.0 missed |" in md and "| 1.03 | >= 1.0 met |" in md
+    assert "| 0.8333 | >= 1.0 missed |" in md and "| 1.0270 | >= 1.0 met |" in md
+    # Four decimals: a ratio just under the target does not print as the target.
+    close = mod.ratio_rows(dict(tag="close", rows=[row("triton_compile_cg", 366.8e3), row("dense_compile_cg", 367e3)]))
+    assert "| 0.9995 | >= 1.0 missed |" in mod.markdown(close, dict(device="H100", torch="t", triton="x"))
 
 
 def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path):

@@ -228,6 +228,23 @@ def test_band_dq2_refuses_a_second_branch_without_keys():
         band_bwd.band_dq2(q, q, (k, k, lse, lse, 1, 0, 4), (k[:, :0], k[:, :0], lse, lse, 4, 7, 0), q.clone())
 
 
+def test_band_dq2_takes_its_many_keys_shape_from_the_named_key_count():
+    """A band_dq2 table entry may name a larger shape for long compressed walks (tuned.py: from 1536 keys, 32k at
+    stride 16); below the count, or without one, the entry's own shape (None) applies, and the count itself is not
+    a launch parameter."""
+    pytest.importorskip("triton")
+    from nsa_titan.kernels.band_bwd import many_keys_shape
+    from nsa_titan.kernels.tuned import TUNED
+
+    entry = dict(rows=64, BK=32, many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4))
+    assert many_keys_shape(entry, 1535) is None
+    assert many_keys_shape(entry, 1536) == dict(rows=128, BK=64, num_warps=8, num_stages=4)
+    assert many_keys_shape(dict(rows=64, BK=32), 10**6) is None
+    # The adopted entries: the 1b / paper key switches at 32k tokens (2047 compressed keys), not at 16k (1023).
+    g16 = TUNED[("band_dq2", 16, 128, False)]
+    assert many_keys_shape(g16, 1023) is None and many_keys_shape(g16, 2047)["rows"] == 128
+
+
 def test_kernel_resources_reads_cuobjdump_usage_lines():
     """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
     resource line of cuobjdump --dump-resource-usage."""

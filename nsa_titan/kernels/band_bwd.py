@@ -350,16 +350,19 @@ def band_dq2(do, q, first: tuple, second: tuple, dq_acc, doc_start=None, cfg: di
     """dQ of two band branches over the same queries in one launch (_band_bwd_dq2), added into ``dq_acc``
     (contiguous [B,T,HQ,Dk]; returned). Each branch is (k, v, lse, delta, kstride, koff, window), as band_bwd takes
     them; the second must have keys (S > 0). Launch shape: tuned.py's ("band_dq2", ...) entry (``cfg`` overrides it,
-    as in band_bwd), one key tile size for both branches.
+    as in band_bwd), one key tile size for both branches. The entry may name a ``many_keys`` shape (with its
+    ``from_keys``) for a second branch of at least that many keys: the long compressed walk wants larger tiles.
 
-    Attempt 82 (prepared): the model's backward runs the window's and the compressed branch's dQ this way where
-    ``dq2_enabled`` says so (a tuned.py entry; none yet), else as two band_bwd calls."""
+    Attempt 82: the model's backward runs the window's and the compressed branch's dQ this way where
+    ``dq2_enabled`` says so (a tuned.py entry), else as two band_bwd calls."""
     B, T, HQ, DK = q.shape
     (k, v, lse, delta, kstride, koff, window), (k2, v2, lse2, delta2, kstride2, koff2, window2) = first, second
     if k2.shape[1] == 0:
         raise ValueError("band_dq2: the second branch has no keys; run band_bwd(parts='dq') for the first alone")
     HKV, DV = k.shape[2], v.shape[-1]
     G = HQ // HKV
+    if not cfg:
+        cfg = many_keys_shape(launch_cfg("band_dq2", pow2(G), max(DK, DV), False, q.is_cuda), k2.shape[1])
     rows, bk, kw, tma = _launch("band_dq2", G, max(DK, DV), False, q, cfg)
     do = do.contiguous()
     ds = delta if doc_start is None else doc_start
@@ -371,6 +374,15 @@ def band_dq2(do, q, first: tuple, second: tuple, dq_acc, doc_start=None, cfg: di
                 *v.stride()[:3], *k2.stride()[:3], *v2.stride()[:3], T, k.shape[1], k2.shape[1], HKV,
                 DK**-0.5 * LOG2E, DK**-0.5), specs, tma, dict(ROWS=rows, BK=bk, BK2=bk, **dims, ACC=True, **kw))
     return dq_acc
+
+
+def many_keys_shape(c: dict, n_keys: int) -> dict | None:
+    """The launch shape a band_dq2 table entry ``c`` names for a second branch of ``n_keys`` keys: its
+    ``many_keys`` shape from ``many_keys["from_keys"]`` keys on, else None (the entry itself)."""
+    many = c.get("many_keys")
+    if many is None or n_keys < many["from_keys"]:
+        return None
+    return {k: v for k, v in many.items() if k != "from_keys"}
 
 
 def dq2_enabled(G: int, dmax: int) -> bool:

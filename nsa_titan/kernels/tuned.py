@@ -130,6 +130,16 @@ TUNED: dict[tuple, dict] = {
     # (sweep_selected_dqtok_rc_s20b_*) 1b 8k 1.92 -> 1.74, 32k 7.86 -> 8.21, paper 8k 7.35 -> 6.56, 32k 32.2 -> 33.0.
     ("sel_dq", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=2),
     ("sel_dq", 8, 128, False): dict(tma=True),
+    # The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) since the twenty-
+    # first session. H100, batch 2, two band_bwd calls -> one (sweep_band_dq2_*_s21): 1b 8k 0.524 -> 0.416 ms,
+    # 16k 1.133 -> 0.970, 32k 2.747 -> 2.544 (many_keys); paper 8k 1.972 -> 1.578, 16k 4.366 -> 4.005, 32k 11.58 ->
+    # 10.15 (many_keys); 1b 64k batch 1 3.867 -> 3.833 (many_keys); m7c 8k 0.321 -> 0.169, 32k 1.030 -> 1.024.
+    # 64-row tiles over 32 keys win while the compressed walk is short; from 32k (>= 1536 compressed keys) 128
+    # rows over 64 keys (at 16k the 1b still prefers 64 rows: 0.970 against 1.011; the paper 128: 3.874 / 4.005).
+    # Whole 1b model at 8k batch 2 against two calls (dq2_ab_*_s21): 66,057 / 65,809 -> 66,234 / 66,403 tokens/s.
+    ("band_dq2", 16, 128, False): dict(rows=64, BK=32, num_warps=4, num_stages=3,
+                                       many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4)),
+    ("band_dq2", 8, 64, False): dict(rows=64, BK=32, num_warps=4, num_stages=3),
     # dQ from the stored dS (where it fits selected.DS_BUDGET, 2 GiB: the 1b up to 64k tokens per step, the paper
     # config up to 16k, qwen7b up to ~37k) with K and each slot's [G, l'] dS through descriptors (attempt 67), one
     # block per MMA, 2 warps, 3 stages. H100, whole selected backward, batch 2 (sweep_selected_dsdq_tma_s16_*):
