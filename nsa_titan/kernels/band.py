@@ -175,12 +175,13 @@ def online_softmax(s, v, m_i, l_i, acc):
 @triton.jit
 def finish_softmax(O, LSE, acc, m_i, l_i, o_rows, lse_rows, row_ok, DV: tl.constexpr, DVP: tl.constexpr):
     """The forwards' epilogue: O = acc / l (0 where a row saw no key), LSE = m + log2(l) (+inf there); o_rows and
-    lse_rows are each row's offsets into O and LSE."""
+    lse_rows are each row's offsets into O and LSE. -> O's tile as stored (rounded to O's dtype), in fp32."""
     dv = tl.arange(0, DVP)
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
     tl.store(O + o_rows[:, None] + dv[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + lse_rows, tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("inf")), mask=row_ok)
+    return o.to(O.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

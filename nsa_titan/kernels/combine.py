@@ -31,19 +31,29 @@ def _rowdot(A, B, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
-def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
-    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+def mix_rows(OC, o_s, OW, G, OUT, r, rm, D: tl.constexpr, DP: tl.constexpr):
+    """out = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win for the flat rows r (of [B*T*HQ], rm: real rows), o_slc given
+    as an fp32 [rows, DP] tile of values in the output dtype: _combine_fwd loads it, the selected token forward
+    (selected._sel_fwd_tokens' MIX) has it in registers. One code for both, so the two give the same bits."""
     d = tl.arange(0, DP)
-    rm = r < N
     m = rm[:, None] & (d[None, :] < D)
     off = r[:, None] * D + d[None, :]
     g0 = tl.load(G + r * 3, mask=rm, other=0.0).to(tl.float32)
     g1 = tl.load(G + r * 3 + 1, mask=rm, other=0.0).to(tl.float32)
     g2 = tl.load(G + r * 3 + 2, mask=rm, other=0.0).to(tl.float32)
     o = g0[:, None] * tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
-    o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
+    o += g1[:, None] * o_s
     o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
     tl.store(OUT + off, o.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_fwd(OC, OS, OW, G, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    d = tl.arange(0, DP)
+    rm = r < N
+    o_s = tl.load(OS + r[:, None] * D + d[None, :], mask=rm[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    mix_rows(OC, o_s, OW, G, OUT, r, rm, D, DP)
 
 
 @triton.jit
@@ -89,11 +99,12 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def combine_fwd(o_c, o_s, o_w, gates):
+def combine_fwd(o_c, o_s, o_w, gates, out=None):
+    """-> g_cmp*o_c + g_slc*o_s + g_win*o_w (gates [..., 3]), written into ``out`` (contiguous) when given."""
     o_c, o_s, o_w, gates = (x.contiguous() for x in (o_c, o_s, o_w, gates))
     d = o_c.shape[-1]
     n = o_c.numel() // d
-    out = torch.empty_like(o_c)
+    out = torch.empty_like(o_c) if out is None else out
     br = _rows_per_program(o_c, d)
     _combine_fwd[(triton.cdiv(n, br),)](o_c, o_s, o_w, gates, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
     return out

@@ -108,10 +108,17 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
     block_idx = select.select_blocks(q, k_cmp, lse_cmp, cmp_block, cmp_stride, slc_block, top_n,
                                      doc_start=doc_start)
     prefix = _prefix(q, k_slc, v_slc, top_n, slc_block, causal_prefix)
-    keys = None
+    keys = out = None
     # The prefix is causal attention: band geometry (stride 1, offset 0) without a window.
     if prefix == t:  # every token selects all its candidate blocks
         o_slc, lse_slc = band.band_fwd(q, k_slc, v_slc, 1, 0, 0, doc_start=doc_start)
+    elif prefix == 0 and selected.forward_mixes(q, v_slc, hq // k_slc.shape[2], top_n, slc_block):
+        # The token forward writes the gate mix in its epilogue (attempt 84): it needs the window's output, which the
+        # side stream finished long before (its one band pass against the compressed pass and the selection here).
+        fork.join()
+        out = q.new_empty(b, t, hq, v_slc.shape[-1])
+        o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start,
+                                                with_pairs=True, mix=(o_cmp, o_win, gates, out))
     else:
         o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, _sparse_rows(block_idx, prefix), slc_block,
                                                 doc_start=doc_start, with_pairs=True)
@@ -119,7 +126,8 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
             band.band_fwd(q, k_slc[:, :prefix], v_slc[:, :prefix], 1, 0, 0, doc_start=doc_start,
                           n_queries=prefix, out=(o_slc, lse_slc))
     fork.join()
-    out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
+    if out is None:
+        out = combine.combine_fwd(o_cmp, o_slc, o_win, gates)
     if keys is None:  # token-centric forward or no sparse tokens: the backward sorts the pairs itself
         keys = block_idx.new_empty(0, dtype=torch.int32)
     return out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys

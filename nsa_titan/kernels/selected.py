@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, finish_softmax, online_softmax
-from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.combine import combine_fwd, mix_rows, pow2
 from nsa_titan.kernels.selected_blocks import block_tile, load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
@@ -189,17 +189,19 @@ def union_step(rank, packed, w, u, row_ok, NT: tl.constexpr):
 
 
 @triton.jit
-def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-                    T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr,
-                    NT: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                    DVP: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr):
+def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, OC, OW, GATES, OUT, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob,
+                    sot, soh, T, G, HKV, qk_scale, LP: tl.constexpr, BS: tl.constexpr, NSEL: tl.constexpr,
+                    NP: tl.constexpr, NT: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, TMA: tl.constexpr, MIX: tl.constexpr):
     """The token forward for NT neighbouring tokens at once (attempts 74 and 79; NT 2 was a kernel of its own until
     the nineteenth session): tokens t0 = NT * program .. t0 + NT - 1, their G heads as NT row groups of one
     [NT GR, D] tile (NT GR = 64 at G 16 and NT 4: one warpgroup's MMA rows), walking the union of their blocks so
     that a block is loaded once however many of them chose it. The union is listed once per program: entry (u, j) =
     token u's slot j is walked when no earlier token of the group chose its block, token by token in slot order (t0's
     blocks in _sel_fwd's order), with the rows of every token that chose it; the walk reads each entry's block and
-    its tokens' bits from one packed vector, so the loop has no branch."""
+    its tokens' bits from one packed vector, so the loop has no branch.
+    MIX: also the gate mix of the three branches' outputs into OUT (combine.mix_rows, contiguous [B, T, HQ, Dv]
+    OC / OW / OUT and [B, T, HQ, 3] GATES) from the tile just stored: no pass of its own reading O back (attempt 84)."""
     b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR)
     h = kv * G + g
     dk = tl.arange(0, DKP)
@@ -216,8 +218,10 @@ def _sel_fwd_tokens(Q, K, V, IDX, O, LSE, DS, sqb, sqt, sqh, skb, sks, skh, svb,
         blk, live = union_step(rank, packed, w, u, row_ok, NT)
         m_i, l_i, acc = _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs, svh, m_i, l_i, acc,
                                      qk_scale, T, LP, BS, DK, DV, DKP, DVP, TMA)
-    finish_softmax(O, LSE, acc, m_i, l_i, b * sob + tok * sot + h * soh, (b * T + tok) * (HKV * G) + h, row_ok, DV,
-                   DVP)
+    rows = (b * T + tok) * (HKV * G) + h
+    o = finish_softmax(O, LSE, acc, m_i, l_i, b * sob + tok * sot + h * soh, rows, row_ok, DV, DVP)
+    if MIX:
+        mix_rows(OC, o, OW, GATES, OUT, rows, row_ok, DV, DVP)
 
 
 # dQ from stored dS needs a transient [B, HKV, T, n, G, l'] buffer during the backward (n * l' values per query
@@ -324,27 +328,36 @@ def _consts(q, k, v, lp, n):
                    DVP=pow2(max(DV, 16)))
 
 
-def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None, with_pairs: bool = False):
+def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None, with_pairs: bool = False,
+            mix: tuple | None = None):
     """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2);
     ``doc_start`` [B,T] int32 or None: keys before the token's document are masked. ``with_pairs``: also return
-    the sorted (block, token, slot) keys when the block-centric forward ran (else None), for sel_bwd to reuse."""
+    the sorted (block, token, slot) keys when the block-centric forward ran (else None), for sel_bwd to reuse.
+    ``mix`` (o_cmp, o_win, gates, out): also write the gate combination of the three branches into ``out``
+    (combine.combine_fwd's result, the same bits): in the token forward's epilogue where it runs (``mixes``), else
+    by combine_fwd after it."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
     G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
     lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
     if lc.get("algo") == "blocks":
         o, lse, keys = sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start)
+        if mix is not None:
+            combine_fwd(mix[0], o, mix[1], mix[2], out=mix[3])
         return (o, lse, keys) if with_pairs else (o, lse)
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     if lc.get("algo") == "tokens":  # NT neighbouring tokens per program over their blocks' union (_sel_fwd_tokens)
         nt = lc.get("NT", 4)
+        if mix is not None and not all(x.is_contiguous() and x.shape[:3] == o.shape[:3] for x in mix):
+            raise ValueError("sel_fwd mix: o_cmp, o_win, gates and out must be contiguous [B, T, HQ, ...] tensors")
+        oc, ow, gates, out = (o, o, o, o) if mix is None else mix  # any tensor when MIX is off (never read)
         launch_tma(_sel_fwd_tokens, (triton.cdiv(T, nt), B * HKV),
-                   (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3],
-                    *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
+                   (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, oc, ow, gates, out,
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
                    kv_specs(k, v, c["BS"]), lc["tma"],
                    dict(GR=_token_rows(G, nt), NP=pow2(c["NSEL"]), NT=nt, **c, DOC=doc_start is not None,
-                        num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
+                        MIX=mix is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"]))
         return (o, lse, None) if with_pairs else (o, lse)
     launch_tma(_sel_fwd, (T, B * HKV), (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start,
                                         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G,
@@ -352,12 +365,20 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
                kv_specs(k, v, c["BS"]), lc["tma"], dict(GR=max(16, pow2(G)), NPI=lc["NPI"], **c,
                                                         DOC=doc_start is not None, num_warps=lc["num_warps"],
                                                         num_stages=lc["num_stages"]))
+    if mix is not None:
+        combine_fwd(mix[0], o, mix[1], mix[2], out=mix[3])
     return (o, lse, None) if with_pairs else (o, lse)
 
 
 def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
     """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
     return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
+
+
+def forward_mixes(q, v, G: int, n: int, slc_block: int) -> bool:
+    """Whether sel_fwd (default launch config) runs the token forward, which writes the gate mix in its epilogue
+    when given ``mix`` (no combine pass of its own)."""
+    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "tokens"
 
 
 def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> int:
