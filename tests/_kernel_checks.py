@@ -247,14 +247,15 @@ def _blocks_fwd_check(device):
 
     from nsa_titan.kernels import selected
 
-    worst = {}
+    worst, mixed = {}, {}
     for case in CASES + DOC_CASES:
         if (x := _sel_inputs(case, device)) is None:
             continue
         o_tok, lse_tok = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
                                           cfg=dict(algo="token"), doc_start=x["doc"])
-        tiled = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
-                                 cfg=dict(algo="blocks", rows=16, tiles=3), doc_start=x["doc"])
+        tiled_cfg = dict(algo="blocks", rows=16, tiles=3)
+        tiled = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block, cfg=tiled_cfg,
+                                 doc_start=x["doc"])
         w = 0.0
         for o_blk, lse_blk in ((x["o"], x["lse"]), tiled):
             same_inf = bool(torch.equal(torch.isfinite(lse_tok), torch.isfinite(lse_blk)))
@@ -262,8 +263,10 @@ def _blocks_fwd_check(device):
             err = max(rel_err(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
             w = max(w, err if same_inf and err < TOL[case[8]] else float("inf"))
         worst[case[0]] = w
-    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf"),
-            "worst": worst}
+        # the gate mix in the merge's epilogue (attempt 85): combine_fwd's bits, o and lse unchanged
+        mixed[case[0]] = _mix_gap(selected, x, x["p"].slc_block, tiled_cfg, *tiled)
+    return {"ok": len(worst) == len(CASES) + len(DOC_CASES) - 1 and max(worst.values()) < float("inf")
+            and max(mixed.values()) == 0.0, "worst": worst, "mix": mixed}
 
 
 def _select_merge_check(device):
@@ -406,8 +409,9 @@ def _sel_tokens_check(device):
 
 
 def _sel_mix_model_check(device):
-    """The whole attention with the token forward as the selected branch's default (a tuned.py entry), so that
-    ops writes the gate mix in its epilogue (attempt 84): against the float64 reference, and the epilogue ran."""
+    """The whole attention with the token forward (attempt 84) or the block forward (85) as the selected branch's
+    default (a tuned.py entry), so that ops has the gate mix written in their epilogues: against the float64
+    reference, and the epilogues ran."""
     from nsa_titan.kernels import selected
     from nsa_titan.kernels.combine import pow2
     from nsa_titan.kernels.tuned import TUNED
@@ -416,12 +420,14 @@ def _sel_mix_model_check(device):
     fwd = selected.sel_fwd
     selected.sel_fwd = lambda *a, **kw: calls.append(kw.get("mix") is not None) or fwd(*a, **kw)
     try:
-        for case in (CASES[1], DOC_CASES[1]):  # G 2 with Dk != Dv; G 6 over two KV heads with documents
+        # G 2 with Dk != Dv; G 6 over two KV heads with documents; G 6 block-centric (the merge mixes)
+        for case, cfg in ((CASES[1], dict(algo="tokens", NT=4)), (DOC_CASES[1], dict(algo="tokens", NT=4)),
+                          (CASES[2], dict(algo="blocks", rows=16, tiles=2))):
             key = ("sel_fwd", pow2(case[3] // case[4]), max(case[5], case[6]), False)
             before = TUNED.get(key)
-            TUNED[key] = dict(algo="tokens", NT=4)
+            TUNED[key] = cfg
             try:
-                model[case[0]] = run_case(case, device)
+                model[case[0] + "_" + cfg["algo"]] = run_case(case, device)
             finally:
                 if before is None:
                     del TUNED[key]

@@ -33,8 +33,9 @@ def _rowdot(A, B, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
 @triton.jit
 def mix_rows(OC, o_s, OW, G, OUT, r, rm, D: tl.constexpr, DP: tl.constexpr):
     """out = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win for the flat rows r (of [B*T*HQ], rm: real rows), o_slc given
-    as an fp32 [rows, DP] tile of values in the output dtype: _combine_fwd loads it, the selected token forward
-    (selected._sel_fwd_tokens' MIX) has it in registers. One code for both, so the two give the same bits."""
+    as an fp32 [rows, DP] tile of values in the output dtype: _combine_fwd loads it, the selected multi-token
+    forward and the block forward's merge (their MIX) have it in registers. One code for all, so they give the same
+    bits."""
     d = tl.arange(0, DP)
     m = rm[:, None] & (d[None, :] < D)
     off = r[:, None] * D + d[None, :]

@@ -113,12 +113,12 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
     if prefix == t:  # every token selects all its candidate blocks
         o_slc, lse_slc = band.band_fwd(q, k_slc, v_slc, 1, 0, 0, doc_start=doc_start)
     elif prefix == 0 and selected.forward_mixes(q, v_slc, hq // k_slc.shape[2], top_n, slc_block):
-        # The token forward writes the gate mix in its epilogue (attempt 84): it needs the window's output, which the
-        # side stream finished long before (its one band pass against the compressed pass and the selection here).
-        fork.join()
+        # The multi-token forward (attempt 84) and the block forward's merge (85) write the gate mix in an epilogue,
+        # which needs the window's output: the main stream waits for the side stream right before that launch (the
+        # window's one band pass ran beside the compressed pass, the selection and the block forward's sort).
         out = q.new_empty(b, t, hq, v_slc.shape[-1])
         o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start,
-                                                with_pairs=True, mix=(o_cmp, o_win, gates, out))
+                                                with_pairs=True, mix=(o_cmp, o_win, gates, out), before_mix=fork.join)
     else:
         o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, _sparse_rows(block_idx, prefix), slc_block,
                                                 doc_start=doc_start, with_pairs=True)

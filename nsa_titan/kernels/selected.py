@@ -329,29 +329,30 @@ def _consts(q, k, v, lp, n):
 
 
 def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_start=None, with_pairs: bool = False,
-            mix: tuple | None = None):
+            mix: tuple | None = None, before_mix=None):
     """block_idx [B,HKV,T,n] (int64, -1 unused) -> (o [B,T,HQ,Dv], lse [B,T,HQ] fp32 base-2);
     ``doc_start`` [B,T] int32 or None: keys before the token's document are masked. ``with_pairs``: also return
     the sorted (block, token, slot) keys when the block-centric forward ran (else None), for sel_bwd to reuse.
     ``mix`` (o_cmp, o_win, gates, out): also write the gate combination of the three branches into ``out``
-    (combine.combine_fwd's result, the same bits): in the token forward's epilogue where it runs (``mixes``), else
-    by combine_fwd after it."""
+    (combine.combine_fwd's result, the same bits): in the token forward's or the block forward's merge epilogue
+    where they run (``forward_mixes``), else by combine_fwd after the one-token forward. ``before_mix``: called
+    right before the first launch that reads ``mix``'s inputs (ops joins its side stream, the window's, there)."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
     G, c = _consts(q, k, v, slc_block, block_idx.shape[-1])
     lc = _cfg("sel_fwd", q, v, G, block_idx.shape[-1], slc_block, cfg)
-    if lc.get("algo") == "blocks":
-        o, lse, keys = sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start)
-        if mix is not None:
-            combine_fwd(mix[0], o, mix[1], mix[2], out=mix[3])
+    if mix is not None and not all(x.is_contiguous() and x.shape[:3] == q.shape[:3] for x in mix):
+        raise ValueError("sel_fwd mix: o_cmp, o_win, gates and out must be contiguous [B, T, HQ, ...] tensors")
+    if lc.get("algo") == "blocks":  # the mix in the merge's epilogue
+        o, lse, keys = sel_fwd_blocks(q, k, v, block_idx, slc_block, c, lc, doc_start, mix=mix, before_mix=before_mix)
         return (o, lse, keys) if with_pairs else (o, lse)
     o = q.new_empty(B, T, HQ, v.shape[-1])
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     if lc.get("algo") == "tokens":  # NT neighbouring tokens per program over their blocks' union (_sel_fwd_tokens)
         nt = lc.get("NT", 4)
-        if mix is not None and not all(x.is_contiguous() and x.shape[:3] == o.shape[:3] for x in mix):
-            raise ValueError("sel_fwd mix: o_cmp, o_win, gates and out must be contiguous [B, T, HQ, ...] tensors")
         oc, ow, gates, out = (o, o, o, o) if mix is None else mix  # any tensor when MIX is off (never read)
+        if mix is not None and before_mix is not None:
+            before_mix()
         launch_tma(_sel_fwd_tokens, (triton.cdiv(T, nt), B * HKV),
                    (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, oc, ow, gates, out,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
@@ -366,6 +367,8 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
                                                         DOC=doc_start is not None, num_warps=lc["num_warps"],
                                                         num_stages=lc["num_stages"]))
     if mix is not None:
+        if before_mix is not None:
+            before_mix()
         combine_fwd(mix[0], o, mix[1], mix[2], out=mix[3])
     return (o, lse, None) if with_pairs else (o, lse)
 
@@ -376,9 +379,9 @@ def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
 
 
 def forward_mixes(q, v, G: int, n: int, slc_block: int) -> bool:
-    """Whether sel_fwd (default launch config) runs the token forward, which writes the gate mix in its epilogue
-    when given ``mix`` (no combine pass of its own)."""
-    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "tokens"
+    """Whether sel_fwd (default launch config) runs the multi-token or the block-centric forward, which write the
+    gate mix in an epilogue when given ``mix`` (no combine pass of its own)."""
+    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") in ("tokens", "blocks")
 
 
 def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> int:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.combine import mix_rows, pow2
 
 
 @triton.jit
@@ -155,10 +155,11 @@ def _slot_tiles(IDX, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-               GP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+def _sel_merge(OP, LP_, IDX, O, LSE, OC, OW, GATES, OUT, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr,
+               BT: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, MIX: tl.constexpr):
     """o = sum over used slots of exp2(lse_s - lse) * o_s, lse = log2 sum exp2(lse_s); a fixed reduction tree
-    over the slots (deterministic)."""
+    over the slots (deterministic). MIX: also the gate mix into OUT from the o just stored (combine.mix_rows, as
+    selected._sel_fwd_tokens' MIX; attempt 85)."""
     b, kv, t, g, row_ok, used, prow = _slot_tiles(IDX, T, G, HKV, NSEL, NP, BT, GP)
     dv = tl.arange(0, DVP)
     lse_s = tl.load(LP_ + prow, mask=used, other=float("-inf"))  # [rows, NP]
@@ -170,11 +171,12 @@ def _sel_merge(OP, LP_, IDX, O, LSE, T, G, HKV, NSEL: tl.constexpr, NP: tl.const
     acc = tl.sum(w[:, :, None] * o_s, 1)
     ok = l_i > 0
     o = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    h = kv * G + g
-    tl.store(O + ((b * T + t) * (HKV * G) + h)[:, None] * DV + dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
+    rows = (b * T + t) * (HKV * G) + kv * G + g
+    tl.store(O + rows[:, None] * DV + dv[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     lse = tl.where(ok, m + tl.log2(tl.where(ok, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * T + t) * (HKV * G) + h, lse, mask=row_ok)
+    tl.store(LSE + rows, lse, mask=row_ok)
+    if MIX:
+        mix_rows(OC, o.to(O.dtype.element_ty).to(tl.float32), OW, GATES, OUT, rows, row_ok, DV, DVP)
 
 
 @triton.jit
@@ -337,9 +339,11 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int, keys: torch.Tensor | 
     return keys, off, coff, poff, prog
 
 
-def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None):
+def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None, mix=None,
+                   before_mix=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
-    selected._consts/_cfg (rows, warps, stages; tiles: tiles of pairs per program, default 1)."""
+    selected._consts/_cfg (rows, warps, stages; tiles: tiles of pairs per program, default 1); ``mix`` and
+    ``before_mix`` as selected.sel_fwd's (checked there): the merge writes the mix."""
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     G, n = HQ // HKV, block_idx.shape[-1]
@@ -359,8 +363,12 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DV)
-    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, T, G, HKV, NSEL=n, NP=pow2(n), BT=mt, GP=gp,
-                                              DV=DV, DVP=consts["DVP"], num_warps=4)
+    oc, ow, gates, out = (o, o, o, o) if mix is None else mix  # any tensor when MIX is off (never read)
+    if mix is not None and before_mix is not None:
+        before_mix()
+    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, oc, ow, gates, out, T, G, HKV, NSEL=n,
+                                              NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"], MIX=mix is not None,
+                                              num_warps=4)
     return o, lse, keys
 
 
