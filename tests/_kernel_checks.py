@@ -668,6 +668,56 @@ def _pair_table_check(device):
     return {"ok": not bad, "mismatch": bad}
 
 
+def _pair_sort_check(device):
+    """The counting sort of the pair keys (pair_sort.py, attempt 86) against torch.sort's, bit for bit: random
+    selections with unused slots (one block, a few, many) with one chunk per row and with 16-pair chunks (several
+    per row, T*n not a multiple of them), the selected cases' own selections, and the whole attention with the
+    counting sort as the default (G 6 block-centric, whose forward sorts; G 2, whose backward does) against
+    float64."""
+    import torch
+
+    from nsa_titan.kernels import pair_sort
+    from nsa_titan.kernels.selected_blocks import sorted_pair_keys
+
+    bad, sels = [], []
+    for B, HKV, T, n, nb, seed in ((1, 1, 5, 3, 1, 0), (2, 2, 37, 4, 5, 1), (1, 2, 300, 5, 40, 2)):
+        gen = torch.Generator().manual_seed(seed)
+        sels.append((f"rand{T}", torch.randint(-1, nb, (B, HKV, T, n), generator=gen).to(device), nb))
+    for case in CASES + DOC_CASES:
+        if (x := _sel_inputs(case, device)) is not None:
+            sels.append((case[0], x["idx"], -(-case[2] // x["p"].slc_block)))
+    chunk = pair_sort.CHUNK
+    try:
+        for ch in (chunk, 16):
+            pair_sort.CHUNK = ch
+            bad += [f"{name}/{ch}" for name, idx, nb in sels
+                    if not torch.equal(sorted_pair_keys(idx, nb, "counting"), sorted_pair_keys(idx, nb, "radix"))]
+    finally:
+        pair_sort.CHUNK = chunk
+    method, model = pair_sort.METHOD, {}
+    pair_sort.METHOD = "counting"
+    try:
+        from nsa_titan.kernels.combine import pow2
+        from nsa_titan.kernels.tuned import TUNED
+
+        for case, cfg in ((CASES[2], dict(algo="blocks", rows=16, tiles=2)), (CASES[1], None)):
+            key = ("sel_fwd", pow2(case[3] // case[4]), max(case[5], case[6]), False)
+            before = TUNED.get(key)
+            if cfg:
+                TUNED[key] = cfg
+            try:
+                model[case[0]] = run_case(case, device)
+            finally:
+                if cfg and before is None:
+                    del TUNED[key]
+                elif cfg:
+                    TUNED[key] = before
+    finally:
+        pair_sort.METHOD = method
+    return {"ok": not bad and len(sels) >= 3 + len(CASES) + len(DOC_CASES) - 1 and all(r["ok"] for r in model.values()),
+            "mismatch": bad, "selections": len(sels), "model": {k: r["worst"] for k, r in model.items()}}
+
+
 def _naive_band(q, k, v, do, kstride, koff, win, ds):
     """Float64 band attention by its definition (band.py's module doc) -> (o, dq, dk, dv); rows that see no key
     give 0."""
@@ -890,4 +940,4 @@ CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_che
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check), ("band_tma", _band_tma_check),
-          ("band_dq2", _band_dq2_check), ("decode_fused", _decode_fused_check))
+          ("band_dq2", _band_dq2_check), ("decode_fused", _decode_fused_check), ("pair_sort", _pair_sort_check))

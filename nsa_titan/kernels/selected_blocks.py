@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_titan.kernels import pair_sort
 from nsa_titan.kernels.combine import mix_rows, pow2
 
 
@@ -312,10 +313,16 @@ def num_chunk_programs(tn: int, nb: int, bt: int) -> int:
     return -(-tn // bt) + nb
 
 
-def sorted_pair_keys(block_idx: torch.Tensor, nb: int) -> torch.Tensor:
-    """``pair_keys``'s sorted keys: one Triton kernel builds them, one torch.sort orders them."""
+def sorted_pair_keys(block_idx: torch.Tensor, nb: int, method: str | None = None) -> torch.Tensor:
+    """``pair_keys``'s sorted keys, by ``method`` (default pair_sort.METHOD): "radix" (one Triton kernel builds
+    them, torch.sort orders them) or "counting" (pair_sort.py: the same keys)."""
     B, HKV, T, n = block_idx.shape
     tn = T * n
+    method = pair_sort.METHOD if method is None else method
+    if method == "counting":
+        return pair_sort.counting_sort_pair_keys(block_idx, nb, pair_key_dtype(nb, tn))
+    if method != "radix":
+        raise ValueError(f"sorted_pair_keys method={method!r}: use 'radix' or 'counting'")
     keys = torch.empty(B * HKV, tn, device=block_idx.device, dtype=pair_key_dtype(nb, tn))
     blk = 1024
     _pair_keys_kernel[(triton.cdiv(tn, blk), B * HKV)](block_idx, keys, tn, nb, BLOCK=blk, num_warps=4)
