@@ -205,6 +205,26 @@ def _dq_buffer_check(device):
     return {"ok": algos == ["ds", "recompute"] and worst < 1e-5, "algos": algos, "worst": worst}
 
 
+@contextlib.contextmanager
+def _tuned_entry(kernel: str, case, cfg: dict | None):
+    """tuned.py's launch shape of ``kernel`` for the case's (next_pow2(G), head dim) key set to ``cfg`` inside the
+    block (None: left as it is), restored after: the whole attention then takes the path that entry switches on."""
+    from nsa_titan.kernels.combine import pow2
+    from nsa_titan.kernels.tuned import TUNED
+
+    key = (kernel, pow2(case[3] // case[4]), max(case[5], case[6]), False)
+    before = TUNED.get(key)
+    if cfg is not None:
+        TUNED[key] = cfg
+    try:
+        yield
+    finally:
+        if cfg is not None and before is None:
+            del TUNED[key]
+        elif cfg is not None:
+            TUNED[key] = before
+
+
 _SEL_INPUTS: dict = {}
 
 
@@ -413,8 +433,6 @@ def _sel_mix_model_check(device):
     default (a tuned.py entry), so that ops has the gate mix written in their epilogues: against the float64
     reference, and the epilogues ran."""
     from nsa_titan.kernels import selected
-    from nsa_titan.kernels.combine import pow2
-    from nsa_titan.kernels.tuned import TUNED
 
     model, calls = {}, []
     fwd = selected.sel_fwd
@@ -423,16 +441,8 @@ def _sel_mix_model_check(device):
         # G 2 with Dk != Dv; G 6 over two KV heads with documents; G 6 block-centric (the merge mixes)
         for case, cfg in ((CASES[1], dict(algo="tokens", NT=4)), (DOC_CASES[1], dict(algo="tokens", NT=4)),
                           (CASES[2], dict(algo="blocks", rows=16, tiles=2))):
-            key = ("sel_fwd", pow2(case[3] // case[4]), max(case[5], case[6]), False)
-            before = TUNED.get(key)
-            TUNED[key] = cfg
-            try:
+            with _tuned_entry("sel_fwd", case, cfg):
                 model[case[0] + "_" + cfg["algo"]] = run_case(case, device)
-            finally:
-                if before is None:
-                    del TUNED[key]
-                else:
-                    TUNED[key] = before
     finally:
         selected.sel_fwd = fwd
     return {"ok": sum(calls) >= len(model) and all(r["ok"] for r in model.values()),
@@ -697,21 +707,9 @@ def _pair_sort_check(device):
     method, model = pair_sort.METHOD, {}
     pair_sort.METHOD = "counting"
     try:
-        from nsa_titan.kernels.combine import pow2
-        from nsa_titan.kernels.tuned import TUNED
-
         for case, cfg in ((CASES[2], dict(algo="blocks", rows=16, tiles=2)), (CASES[1], None)):
-            key = ("sel_fwd", pow2(case[3] // case[4]), max(case[5], case[6]), False)
-            before = TUNED.get(key)
-            if cfg:
-                TUNED[key] = cfg
-            try:
+            with _tuned_entry("sel_fwd", case, cfg):
                 model[case[0]] = run_case(case, device)
-            finally:
-                if cfg and before is None:
-                    del TUNED[key]
-                elif cfg:
-                    TUNED[key] = before
     finally:
         pair_sort.METHOD = method
     return {"ok": not bad and len(sels) >= 3 + len(CASES) + len(DOC_CASES) - 1 and all(r["ok"] for r in model.values()),
@@ -867,24 +865,13 @@ def _band_dq2_check(device):
             want = want + _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), *geo, ds)[1]
         naive = max(naive, rel_err(one.cpu().double(), want))
     # The model's backward with it switched on (a tuned.py entry): whole attention against the float64 reference.
-    from nsa_titan.kernels.combine import pow2
-    from nsa_titan.kernels.tuned import TUNED
-
     model, calls = {}, []
     fused = band_bwd.band_dq2
     band_bwd.band_dq2 = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
     try:
         for case in (CASES[1], DOC_CASES[1]):  # G 2 with Dk != Dv; G 6 over two KV heads with documents
-            key = ("band_dq2", pow2(case[3] // case[4]), max(case[5], case[6]), False)
-            before = TUNED.get(key)
-            TUNED[key] = dict(rows=16, BK=16, num_warps=4, num_stages=1)
-            try:
+            with _tuned_entry("band_dq2", case, dict(rows=16, BK=16, num_warps=4, num_stages=1)):
                 model[case[0]] = run_case(case, device)
-            finally:
-                if before is None:
-                    del TUNED[key]
-                else:
-                    TUNED[key] = before
     finally:
         band_bwd.band_dq2 = fused
     # fp32 on both paths; the fused one adds the two branches before the given dQ (one rounding fewer)

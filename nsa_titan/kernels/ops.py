@@ -112,16 +112,17 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
     # The prefix is causal attention: band geometry (stride 1, offset 0) without a window.
     if prefix == t:  # every token selects all its candidate blocks
         o_slc, lse_slc = band.band_fwd(q, k_slc, v_slc, 1, 0, 0, doc_start=doc_start)
-    elif prefix == 0 and selected.forward_mixes(q, v_slc, hq // k_slc.shape[2], top_n, slc_block):
-        # The multi-token forward (attempt 84) and the block forward's merge (85) write the gate mix in an epilogue,
-        # which needs the window's output: the main stream waits for the side stream right before that launch (the
-        # window's one band pass ran beside the compressed pass, the selection and the block forward's sort).
-        out = q.new_empty(b, t, hq, v_slc.shape[-1])
-        o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, block_idx, slc_block, doc_start=doc_start,
-                                                with_pairs=True, mix=(o_cmp, o_win, gates, out), before_mix=fork.join)
     else:
+        # The multi-token forward (attempt 84) and the block forward's merge (85) write the gate mix in an epilogue
+        # when no prefix rows come after them. It needs the window's output: the main stream waits for the side
+        # stream right before that launch (the window's one band pass ran beside the compressed pass, the selection
+        # and the block forward's sort).
+        if prefix == 0 and selected.forward_mixes(q, v_slc, hq // k_slc.shape[2], top_n, slc_block):
+            out = q.new_empty(b, t, hq, v_slc.shape[-1])
         o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, _sparse_rows(block_idx, prefix), slc_block,
-                                                doc_start=doc_start, with_pairs=True)
+                                                doc_start=doc_start, with_pairs=True,
+                                                mix=None if out is None else (o_cmp, o_win, gates, out),
+                                                before_mix=fork.join)
         if prefix:  # the prefix's rows, over its own keys (a token t < prefix sees keys <= t only)
             band.band_fwd(q, k_slc[:, :prefix], v_slc[:, :prefix], 1, 0, 0, doc_start=doc_start,
                           n_queries=prefix, out=(o_slc, lse_slc))
