@@ -113,11 +113,11 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
     if prefix == t:  # every token selects all its candidate blocks
         o_slc, lse_slc = band.band_fwd(q, k_slc, v_slc, 1, 0, 0, doc_start=doc_start)
     else:
-        # The multi-token forward (attempt 84) and the block forward's merge (85) write the gate mix in an epilogue
-        # when no prefix rows come after them. It needs the window's output: the main stream waits for the side
-        # stream right before that launch (the window's one band pass ran beside the compressed pass, the selection
-        # and the block forward's sort).
-        if prefix == 0 and selected.forward_mixes(q, v_slc, hq // k_slc.shape[2], top_n, slc_block):
+        # With no prefix rows to come after it, the selected forward writes the gate mix too: the multi-token
+        # forward (attempt 84) and the block forward's merge (85) in an epilogue, the one-token forward by a combine
+        # pass after it. It needs the window's output: the main stream waits for the side stream right before that
+        # launch (the window's one band pass ran beside the compressed pass, the selection and the block sort).
+        if prefix == 0:
             out = q.new_empty(b, t, hq, v_slc.shape[-1])
         o_slc, lse_slc, keys = selected.sel_fwd(q, k_slc, v_slc, _sparse_rows(block_idx, prefix), slc_block,
                                                 doc_start=doc_start, with_pairs=True,

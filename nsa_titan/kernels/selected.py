@@ -335,7 +335,7 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
     the sorted (block, token, slot) keys when the block-centric forward ran (else None), for sel_bwd to reuse.
     ``mix`` (o_cmp, o_win, gates, out): also write the gate combination of the three branches into ``out``
     (combine.combine_fwd's result, the same bits): in the token forward's or the block forward's merge epilogue
-    where they run (``forward_mixes``), else by combine_fwd after the one-token forward. ``before_mix``: called
+    where they run, else by combine_fwd after the one-token forward. ``before_mix``: called
     right before the first launch that reads ``mix``'s inputs (ops joins its side stream, the window's, there)."""
     B, T, HQ, DK = q.shape
     HKV = k.shape[2]
@@ -376,12 +376,6 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
 def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
     """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
     return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
-
-
-def forward_mixes(q, v, G: int, n: int, slc_block: int) -> bool:
-    """Whether sel_fwd (default launch config) runs the multi-token or the block-centric forward, which write the
-    gate mix in an epilogue when given ``mix`` (no combine pass of its own)."""
-    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") in ("tokens", "blocks")
 
 
 def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> int:
