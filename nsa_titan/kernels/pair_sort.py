@@ -8,8 +8,10 @@ order: the pairs arrive in (t, slot) order already. A stable counting sort by bl
 
 1. ``_pair_count``: each program counts one chunk of CH pairs of one (b, kv) row per bucket (the block, NB for an
    unused slot), stored bucket-major: counts[row, bucket, chunk].
-2. one torch.cumsum over each row's counts in that order: its exclusive prefix is where the chunk's first pair of
-   the bucket goes (every pair of a lower bucket first, then the earlier chunks' pairs of this one).
+2. one torch.cumsum over all rows' counts in that order, as one 1-D tensor (cub's device-wide scan: a per-row scan
+   of the 2-D counts ran torch's inner-dim scan kernel, 0.36 ms at the 1b's 32k for 2 rows of 262k counts). Each
+   row's counts sum to T*n, so the chunk's first pair of the bucket goes to the inclusive sum - its own count -
+   row * T*n (every pair of a lower bucket first, then the earlier chunks' pairs of this one).
 3. ``_pair_scatter``: each program sorts its chunk by (bucket, position), ranks every pair among the chunk's
    earlier pairs of its bucket (a segmented count over the sorted chunk) and writes its key to its place.
 
@@ -26,9 +28,9 @@ import triton.language as tl
 from nsa_titan.kernels.combine import pow2
 
 CHUNK = 1024  # pairs per program: counts has NB + 1 entries per chunk, so fewer chunks keep its scan small
-# selected_blocks.sorted_pair_keys' default. Attempt 86 is prepared, not timed: "radix" (torch.sort) until an H100
-# A/B says otherwise (NOTES_kernels.md).
-METHOD = "radix"
+# selected_blocks.sorted_pair_keys' default since the twenty-second session's H100 A/B (NOTES_kernels.md, attempt 86:
+# the whole m7c at 8k +3 %, the 1b +0.5 %); "radix" (torch.sort) stays for comparisons and the check.
+METHOD = "counting"
 
 
 @triton.jit
@@ -58,9 +60,10 @@ def _same_bucket_count(b_left, n_left, b_right, n_right):
 
 
 @triton.jit
-def _pair_scatter(IDX, START, KEYS, TN, NB, NCHUNK, CH: tl.constexpr):
-    """keys[row, start[row, bucket, chunk] + rank] = bucket * T*n + i (NB * T*n for an unused slot), rank = the
-    number of this chunk's earlier pairs in the same bucket."""
+def _pair_scatter(IDX, COUNTS, CSUM, KEYS, TN, NB, NCHUNK, CH: tl.constexpr):
+    """keys[row, start + rank] = bucket * T*n + i (NB * T*n for an unused slot): start = csum - counts - row * T*n
+    at [row, bucket, chunk] (the exclusive prefix within the row), rank = the number of this chunk's earlier pairs
+    in the same bucket."""
     pid, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     r, bucket = _chunk_buckets(IDX, row, pid, TN, NB, CH)
     order = tl.sort(bucket * CH + r)  # by bucket, then position: stable
@@ -68,7 +71,8 @@ def _pair_scatter(IDX, START, KEYS, TN, NB, NCHUNK, CH: tl.constexpr):
     i = pid * CH + order % CH
     _, seen = tl.associative_scan((b, tl.full([CH], 1, tl.int32)), 0, _same_bucket_count)
     ok = b <= NB
-    start = tl.load(START + (row * (NB + 1) + b) * NCHUNK + pid, mask=ok, other=0)
+    at = (row * (NB + 1) + b) * NCHUNK + pid
+    start = tl.load(CSUM + at, mask=ok, other=0) - tl.load(COUNTS + at, mask=ok, other=0) - row * TN
     key = b.to(tl.int64) * TN + tl.where(b < NB, i, 0)
     tl.store(KEYS + row * TN + start + seen - 1, key.to(KEYS.dtype.element_ty), mask=ok)
 
@@ -83,8 +87,8 @@ def counting_sort_pair_keys(block_idx: torch.Tensor, nb: int, dtype: torch.dtype
     nchunk = triton.cdiv(tn, ch)
     counts = torch.empty(rows, nb + 1, nchunk, device=idx.device, dtype=torch.int32)
     _pair_count[(nchunk, rows)](idx, counts, tn, nb, nchunk, CH=ch, NBP=pow2(nb + 2), num_warps=4)
-    flat = counts.view(rows, -1)
-    start = torch.cumsum(flat, -1, dtype=torch.int32) - flat  # exclusive, in (bucket, chunk) order
+    # inclusive, over every row in (row, bucket, chunk) order; its last entry is rows * T*n
+    csum = torch.cumsum(counts.view(-1), 0, dtype=torch.int32 if rows * tn < 2**31 else torch.int64)
     keys = torch.empty(rows, tn, device=idx.device, dtype=dtype)
-    _pair_scatter[(nchunk, rows)](idx, start, keys, tn, nb, nchunk, CH=ch, num_warps=4)
+    _pair_scatter[(nchunk, rows)](idx, counts, csum, keys, tn, nb, nchunk, CH=ch, num_warps=4)
     return keys
