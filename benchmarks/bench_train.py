@@ -6,6 +6,11 @@ and the run's summary.json is collected into one JSON + markdown table:
     python benchmarks/bench_train.py --config train_configs/m7c_125m.toml --steps 30 \
         --variants torch,torch_compile --out benchmarks/results --tag m7c_seq2048
 
+``--rounds R`` runs the variant list R times, every other round in reverse order (A B, B A, ...), so that a
+machine whose speed drifts during the command moves every variant alike; each row names its round. (Seen on one
+H100: the same dense m7c command gave 370k and 359k tokens/s minutes apart.) whole_model_table.py pairs NSA and
+dense by round.
+
 ``--check-syncs`` also runs one forward+backward of the model under
 ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the model's hot path raises.
 """
@@ -121,6 +126,32 @@ def kernel_busy(config: str, variant: str, extra: list[str], steps: int = 6) -> 
     return f"kernel-busy (profiler, {variant}): {share:.1%} of {steps} steps' wall time"
 
 
+def run_order(variants: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, variant) in the order they run: the list, then reversed, and so on (A B, B A, A B, ...)."""
+    return [(r, name) for r in range(1, rounds + 1) for name in (variants if r % 2 else variants[::-1])]
+
+
+def train_run(config: str, steps: int, name: str, extra: list[str]) -> dict:
+    """One training run of a variant in its own process -> its result row (or the variant with an error)."""
+    with tempfile.TemporaryDirectory() as dump:
+        # NSA diagnostics off: on log steps they add work and, under compile, a second graph compiled at
+        # the first log step after step 1, which would land inside the timed windows.
+        cmd = [sys.executable, "-m", "nsa_titan.train", "--config", config, "--training.steps", str(steps),
+               "--metrics.log_freq", "5", "--metrics.val_freq", "0", "--metrics.nsa_diagnostics", "false",
+               "--job.dump_folder", dump, *VARIANTS[name], *extra]
+        print("$", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, cwd=REPO)
+        summary_file = Path(dump) / "summary.json"
+        if proc.returncode != 0 or not summary_file.exists():
+            return {"variant": name, "error": f"exit code {proc.returncode}"}
+        s = json.loads(summary_file.read_text())
+    return {"variant": name, **{k: s.get(k) for k in (
+        "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
+        "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
+        "model": s.get("model"), "training": s["config"]["training"],
+        "activation_checkpoint": s["config"].get("activation_checkpoint")}
+
+
 def environment() -> dict[str, str | None]:
     import torch
 
@@ -133,16 +164,19 @@ def environment() -> dict[str, str | None]:
 def write_markdown(result: dict, out: Path) -> None:
     """train_<tag>.md from a run's JSON (also ``--from-json``: a device call that brought back only the JSON)."""
     rows, notes = result["rows"], result.get("notes", [])
+    rounds = any(r.get("round", 1) > 1 for r in rows)  # a round column only where several ran
     lines = [f"# Training throughput: {result['tag']} ({result.get('device', '?')}, torch {result.get('torch')}, "
              f"triton {result.get('triton')}, {result['date'][:10]})", "",
-             "| variant | tokens/s (mean after step 1) | tokens/s/GPU (last log window) | MFU | GPU busy | peak GiB "
-             "| loss first -> last |", "|---|---|---|---|---|---|---|"]
+             "| variant | " + ("round | " if rounds else "") + "tokens/s (mean after step 1) | tokens/s/GPU (last "
+             "log window) | MFU | GPU busy | peak GiB | loss first -> last |",
+             "|---|---|---|---|---|---|---|" + ("---|" if rounds else "")]
     for r in rows:
+        name = f"{r['variant']} | {r.get('round', 1)}" if rounds else r["variant"]
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | |")
             continue
         fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | "
+        lines.append(f"| {name} | {fmt(r['tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['last_window_tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
                      f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
                      f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
@@ -163,7 +197,11 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true", help="only the in-process checks, no training runs")
     ap.add_argument("extra", nargs="*", help="overrides passed to every run, e.g. --training.seq_len 2048")
     ap.add_argument("--from-json", help="only rewrite the markdown of an earlier run's JSON (no GPU needed)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variant list this many times, every other round in reverse order")
     a = ap.parse_args()
+    if a.rounds < 1:
+        sys.exit(f"--rounds {a.rounds}: give 1 or more (rounds of the whole variant list)")
     if a.from_json:
         return write_markdown(json.loads(Path(a.from_json).read_text()), Path(a.from_json).parent)
     unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
@@ -176,26 +214,8 @@ def main() -> None:
     for name in a.variants.split(",") if a.kernel_busy else []:
         notes.append(kernel_busy(a.config, name, a.extra))
         print(notes[-1], flush=True)
-    for name in [] if a.skip_train else a.variants.split(","):
-        with tempfile.TemporaryDirectory() as dump:
-            # NSA diagnostics off: on log steps they add work and, under compile, a second graph compiled at
-            # the first log step after step 1, which would land inside the timed windows.
-            cmd = [sys.executable, "-m", "nsa_titan.train", "--config", a.config, "--training.steps", str(a.steps),
-                   "--metrics.log_freq", "5", "--metrics.val_freq", "0", "--metrics.nsa_diagnostics", "false",
-                   "--job.dump_folder", dump,
-                   *VARIANTS[name], *a.extra]
-            print("$", " ".join(cmd), flush=True)
-            proc = subprocess.run(cmd, cwd=REPO)
-            summary_file = Path(dump) / "summary.json"
-            if proc.returncode != 0 or not summary_file.exists():
-                rows.append({"variant": name, "error": f"exit code {proc.returncode}"})
-                continue
-            s = json.loads(summary_file.read_text())
-            rows.append({"variant": name, **{k: s.get(k) for k in (
-                "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
-                "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
-                "model": s.get("model"), "training": s["config"]["training"],
-                "activation_checkpoint": s["config"].get("activation_checkpoint")})
+    for rnd, name in [] if a.skip_train else run_order(a.variants.split(","), a.rounds):
+        rows.append({**train_run(a.config, a.steps, name, a.extra), "round": rnd})
     meta = environment()
     result = {"benchmark": "train_throughput", "config": a.config, "tag": a.tag, "steps": a.steps,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

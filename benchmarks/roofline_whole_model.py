@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import CONFIGS, PEAK_TFLOPS, flops  # noqa: E402
-from whole_model_table import TARGETS, _tps, nsa_dense_pairs  # noqa: E402
+from whole_model_table import TARGETS, _median_tps, nsa_dense_pairs  # noqa: E402
 
 
 def sdpa_flops(T: int, cfg: dict, fwd_only: bool) -> float:
@@ -71,20 +71,21 @@ def ac_full(result: dict, row: dict) -> bool:
 def roofline_rows(result: dict, table: dict) -> list[dict]:
     bench = {(b["config"], b["T"]): b for b in table["bench"]}
     out = []
-    for name, r, dense in nsa_dense_pairs(result):
+    for name, nsa, dense in nsa_dense_pairs(result):  # several rows each where the command ran rounds: medians
+        r = nsa[0]
         args, T, B = r["model"]["args"], r["training"]["seq_len"], r["training"]["local_batch_size"]
         cname = attention_config(args)
         k = bench.get((cname, T))
         row = dict(flavor=r["model"]["flavor"], seq_len=T, local_batch=B, variant=name, source_tag=result.get("tag"),
                    attention_config=cname, target=TARGETS.get((r["model"]["flavor"], T)))
-        if dense is None or k is None or "nsa_fwd_ms" not in k:
-            row["skipped"] = "no dense run in that command" if dense is None else f"no kernel-table row {cname} T={T}"
+        if not dense or k is None or "nsa_fwd_ms" not in k:
+            row["skipped"] = "no dense run in that command" if not dense else f"no kernel-table row {cname} T={T}"
             out.append(row)
             continue
         full = ac_full(result, r)
         L, cfg = args["n_layers"], CONFIGS[cname]
         recompute = 1.0 if full else 0.0
-        s_dense, s_nsa = 1.0 / _tps(dense), 1.0 / _tps(r)  # seconds per token
+        s_dense, s_nsa = 1.0 / _median_tps(dense), 1.0 / _median_tps(nsa)  # seconds per token
         a_dense = L * (k["sdpa_fwdbwd_ms"] + recompute * k["sdpa_fwd_ms"]) / 1e3 / T
         nsa_fb = k.get("nsa_fwdbwd_kernel_ms") or k["nsa_fwdbwd_ms"]
         a_nsa = L * (nsa_fb + recompute * k["nsa_fwd_ms"]) / 1e3 / T

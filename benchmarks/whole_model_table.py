@@ -7,6 +7,8 @@ Each JSON holds NSA variants (``triton_compile``, ``torch_compile``, ``*_cg``) a
 same command on the same GPU; every NSA variant is divided by the dense variant of the same compile mode
 (``dense_compile`` for plain compile, ``dense_compile_cg`` for CUDA graphs; the plain one when only it ran).
 Tokens/s are the last log window's (steady state: the first steps compile and record CUDA graphs).
+A command of several rounds (``bench_train.py --rounds``) gives each variant's median tokens/s, and the ratio is
+the median of the rounds' own NSA / dense ratios (NSA and dense of one round ran back to back), with their range.
 Targets are issue 11's (whole model, compiled, one GPU).
 """
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 TARGETS = {("1b", 8192): 1.0, ("1b", 32768): 2.0, ("1b", 65536): 3.0, ("m7c", 8192): 1.0, ("m7c", 32768): 2.5}
 
@@ -23,26 +27,49 @@ def _tps(row: dict) -> float | None:
     return row.get("last_window_tokens_per_s_per_gpu") or row.get("tokens_per_s_per_gpu")
 
 
-def nsa_dense_pairs(result: dict) -> list[tuple[str, dict, dict | None]]:
-    """(variant, NSA row, the dense row of the same compile mode or None) for every NSA variant that ran."""
-    by = {r["variant"]: r for r in result["rows"] if "error" not in r}
-    return [(name, r, by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or
-             by.get("dense_compile")) for name, r in by.items() if not name.startswith("dense")]
+def _median_tps(rows: list[dict]) -> float | None:
+    values = [t for r in rows if (t := _tps(r))]
+    return median(values) if values else None
+
+
+def nsa_dense_pairs(result: dict) -> list[tuple[str, list[dict], list[dict]]]:
+    """(variant, its NSA rows, the rows of the dense variant of the same compile mode, [] if none ran) for every NSA
+    variant that ran; several rows per variant where the command ran several rounds."""
+    by = defaultdict(list)
+    for r in result["rows"]:
+        if "error" not in r:
+            by[r["variant"]].append(r)
+    return [(name, rows, by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or
+             by.get("dense_compile", [])) for name, rows in by.items() if not name.startswith("dense")]
 
 
 def ratio_rows(result: dict) -> list[dict]:
     rows = []
-    for name, r, dense in nsa_dense_pairs(result):
-        flavor, tr = r["model"]["flavor"], r["training"]
-        nsa_tps, dense_tps = _tps(r), dense and _tps(dense)
-        ratio = nsa_tps / dense_tps if nsa_tps and dense_tps else None
+    for name, nsa, dense in nsa_dense_pairs(result):
+        r, flavor, tr = nsa[0], nsa[0]["model"]["flavor"], nsa[0]["training"]
+        nsa_tps, dense_tps = _median_tps(nsa), _median_tps(dense)
+        dense_by_round = {x.get("round", 1): _tps(x) for x in dense}
+        per_round = [_tps(x) / dense_by_round[x.get("round", 1)] for x in nsa
+                     if _tps(x) and dense_by_round.get(x.get("round", 1))]
+        if per_round:
+            ratio = median(per_round)
+        else:
+            ratio = nsa_tps / dense_tps if nsa_tps and dense_tps else None
         rows.append(dict(flavor=flavor, seq_len=tr["seq_len"], local_batch=tr["local_batch_size"], variant=name,
-                         nsa_tokens_per_s=nsa_tps, dense_variant=dense and dense["variant"],
-                         dense_tokens_per_s=dense_tps, ratio=ratio, nsa_peak_gib=r.get("peak_mem_gib"),
-                         dense_peak_gib=dense and dense.get("peak_mem_gib"),
+                         nsa_tokens_per_s=nsa_tps, dense_variant=dense[0]["variant"] if dense else None,
+                         dense_tokens_per_s=dense_tps, ratio=ratio, rounds=max(len(per_round), 1),
+                         ratio_min=min(per_round, default=ratio), ratio_max=max(per_round, default=ratio),
+                         nsa_peak_gib=max((x.get("peak_mem_gib") or 0 for x in nsa), default=None) or None,
+                         dense_peak_gib=max((x.get("peak_mem_gib") or 0 for x in dense), default=None) or None,
                          target=TARGETS.get((flavor, tr["seq_len"])), device=r.get("device"), date=r.get("date"),
                          source_tag=result.get("tag")))
     return rows
+
+
+def _rounds(r: dict) -> str:
+    """'1', or 'n: lo-hi' (the rounds' NSA / dense ratios)."""
+    n = r.get("rounds", 1)
+    return str(n) if n == 1 else f"{n}: {r['ratio_min']:.4f}-{r['ratio_max']:.4f}"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -52,10 +79,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "fp32 weights + bf16 autocast, tokens/s of the last 5-step log window; NSA and dense of a row come "
              "from the same command (its tag, last column, names the results file `train_<tag>.json`; a tag with "
              "`acfull` ran both with full activation checkpointing; rows measured before the code's last kernel "
-             "change keep their date, column `date`).", "",
-             "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | NSA GiB "
+             "change keep their date, column `date`). A command of several rounds (`bench_train.py --rounds`, NSA "
+             "and dense back to back in each) gives the median tokens/s and the median of the rounds' ratios; column "
+             "`rounds` has their number and the ratios' range.", "",
+             "| flavor | seq | batch | NSA variant | NSA tok/s | dense tok/s | NSA / dense | target | rounds | NSA GiB "
              "| dense GiB | run tag | date |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["flavor"], r["seq_len"], r["local_batch"], r["variant"])):
         if r["target"] is None:
             tgt = "-"
@@ -65,7 +94,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             tgt = f">= {r['target']:.1f} " + ("met" if r["ratio"] >= r["target"] else "missed")
         lines.append(f"| {r['flavor']} | {r['seq_len']} | {r['local_batch']} | {r['variant']} | "
                      f"{f(r['nsa_tokens_per_s'], ',.0f')} | {f(r['dense_tokens_per_s'], ',.0f')} | "
-                     f"{f(r['ratio'], '.4f')} | {tgt} | {f(r['nsa_peak_gib'], '.1f')} | "
+                     f"{f(r['ratio'], '.4f')} | {tgt} | {_rounds(r)} | {f(r['nsa_peak_gib'], '.1f')} | "
                      f"{f(r['dense_peak_gib'], '.1f')} | {r.get('source_tag') or '-'} | "
                      f"{(r.get('date') or '-')[:10]} |")
     return "\n".join(lines) + "\n"

@@ -507,7 +507,16 @@ def test_whole_model_table_judges_a_target_only_against_a_dense_run():
     assert "| 0.8333 | >= 1.0 missed |" in md and "| 1.0270 | >= 1.0 met |" in md
     # Four decimals: a ratio just under the target does not print as the target.
     close = mod.ratio_rows(dict(tag="close", rows=[row("triton_compile_cg", 366.8e3), row("dense_compile_cg", 367e3)]))
-    assert "| 0.9995 | >= 1.0 missed |" in mod.markdown(close, dict(device="H100", torch="t", triton="x"))
+    assert "| 0.9995 | >= 1.0 missed | 1 |" in mod.markdown(close, dict(device="H100", torch="t", triton="x"))
+    # Rounds (bench_train.py --rounds): NSA and dense paired by round, the median of the rounds' ratios (not the
+    # ratio of the medians), their range, and the median tokens/s; a round whose dense run failed has no pair.
+    three = [dict(row("triton_compile_cg", nsa), round=i) for i, nsa in ((1, 330e3), (2, 340e3), (3, 345e3))]
+    dense = [dict(row("dense_compile_cg", d), round=i) for i, d in ((1, 370e3), (2, 340e3), (3, 360e3))]
+    (r,) = mod.ratio_rows(dict(tag="rounds", rows=three + dense + [dict(variant="dense_compile_cg", round=4,
+                                                                        error="exit code 1")]))
+    assert (r["nsa_tokens_per_s"], r["dense_tokens_per_s"], r["rounds"]) == (340e3, 360e3, 3)
+    assert r["ratio"] == 345e3 / 360e3 and (r["ratio_min"], r["ratio_max"]) == (330e3 / 370e3, 1.0)
+    assert "| 0.9583 | >= 1.0 missed | 3: 0.8919-1.0000 |" in mod.markdown([r], dict(device="H", torch="t", triton="x"))
 
 
 def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path):
@@ -551,6 +560,37 @@ def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypa
     assert md.startswith("# Training throughput: m7c_x (H100, torch t, triton r, 2026-11-26)")
     assert "| triton_compile_cg | 231,862 | 323,570 | 12.9% | 99.4% | 7.4 | 5.92 -> 2.85 |" in md
     assert "| dense_compile_cg | failed: exit code 2 | | | | | |" in md and md.rstrip().endswith("a note")
+
+
+def test_bench_train_rounds_alternate_the_order_and_name_each_row_s_round(tmp_path, monkeypatch):
+    """bench_train.py --rounds R runs the variant list R times, every other round reversed (a drift during the
+    command moves every variant alike), and its rows and markdown name their round; --rounds 0 is refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train", common.REPO / "benchmarks" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ran = []
+
+    def fake_run(config, steps, name, extra):
+        ran.append(name)
+        return dict(variant=name, tokens_per_s=1.0 + len(ran), last_window_tokens_per_s_per_gpu=2.0, mfu=0.1,
+                    gpu_busy=0.9, peak_mem_gib=1.0, initial_loss=5.0, final_loss=4.0)
+
+    monkeypatch.setattr(mod, "train_run", fake_run)
+    monkeypatch.setattr(mod, "environment", lambda: dict(device="H100", torch="t", triton="r"))
+    argv = ["bench_train.py", "--variants", "triton_compile_cg,dense_compile_cg", "--tag", "r", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", [*argv, "--rounds", "3"])
+    mod.main()
+    assert ran == ["triton_compile_cg", "dense_compile_cg", "dense_compile_cg", "triton_compile_cg",
+                   "triton_compile_cg", "dense_compile_cg"]
+    rows = json.loads((tmp_path / "train_r.json").read_text())["rows"]
+    assert [(x["variant"][0], x["round"]) for x in rows] == [("t", 1), ("d", 1), ("d", 2), ("t", 2), ("t", 3), ("d", 3)]
+    md = (tmp_path / "train_r.md").read_text()
+    assert "| variant | round | tokens/s" in md and "| dense_compile_cg | 2 | 4 | 2 |" in md
+    monkeypatch.setattr("sys.argv", [*argv, "--rounds", "0"])
+    with pytest.raises(SystemExit, match="--rounds 0: give 1 or more"):
+        mod.main()
 
 
 def test_bench_window_table_lists_the_paths_that_ran_with_their_determinism():

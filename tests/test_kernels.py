@@ -10,7 +10,8 @@ Running this file as a script (``python tests/test_kernels.py``) is that child; 
 fp32 cases' dots run in tf32 (errors ~2e-3 against the CPU tolerance of 2e-4) and the torch path's FlexAttention
 fails to lower fp32 at head dim 48 (H100, 2026-11-26: 12 of 14 cases fail on every tree). The GPU correctness
 check is ``benchmarks/bench_attention.py --check`` (bf16 against float64). The cases and checks themselves are in
-tests/_kernel_checks.py; on the interpreter the child first installs tests/_interp_speed.py (same results, faster).
+tests/_kernel_checks.py (the registry; the cases in _kernel_cases.py, the checks by area in _kernel_checks_*.py);
+on the interpreter the child first installs tests/_interp_speed.py (same results, faster).
 """
 
 from __future__ import annotations
