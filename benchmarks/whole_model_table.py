@@ -32,6 +32,11 @@ def _median_tps(rows: list[dict]) -> float | None:
     return median(values) if values else None
 
 
+def _max_peak(rows: list[dict]) -> float | None:
+    values = [r["peak_mem_gib"] for r in rows if r.get("peak_mem_gib")]
+    return max(values) if values else None
+
+
 def nsa_dense_pairs(result: dict) -> list[tuple[str, list[dict], list[dict]]]:
     """(variant, its NSA rows, the rows of the dense variant of the same compile mode, [] if none ran) for every NSA
     variant that ran; several rows per variant where the command ran several rounds."""
@@ -59,8 +64,7 @@ def ratio_rows(result: dict) -> list[dict]:
                          nsa_tokens_per_s=nsa_tps, dense_variant=dense[0]["variant"] if dense else None,
                          dense_tokens_per_s=dense_tps, ratio=ratio, rounds=max(len(per_round), 1),
                          ratio_min=min(per_round, default=ratio), ratio_max=max(per_round, default=ratio),
-                         nsa_peak_gib=max((x.get("peak_mem_gib") or 0 for x in nsa), default=None) or None,
-                         dense_peak_gib=max((x.get("peak_mem_gib") or 0 for x in dense), default=None) or None,
+                         nsa_peak_gib=_max_peak(nsa), dense_peak_gib=_max_peak(dense),
                          target=TARGETS.get((flavor, tr["seq_len"])), device=r.get("device"), date=r.get("date"),
                          source_tag=result.get("tag")))
     return rows
