@@ -1,0 +1,305 @@
+"""The benchmark scripts' own logic on CPU, without a GPU: their tables and reports from hand-made payloads
+(benchmarks/*.py are scripts, loaded here by path), and bench_train.py's run order."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nsa_titan.experiments import common
+
+
+def _load_benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, common.REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_analyze_trace_reports_what_the_fsdp2_ac_hypotheses_need(tmp_path):
+    """A hand-made trace of one step (times in microseconds): every number below is worked out by hand."""
+    mod = _load_benchmark("analyze_trace")
+
+    def x(name, ts, dur, cat, tid=1):
+        return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X", "tid": tid}
+
+    events = [x("ProfilerStep#1", 0, 1000, "user_annotation"),
+              x("ProfilerStep#1", 0, 990, "gpu_user_annotation"),  # the GPU's copy of the range: the same step
+              x("ncclDevKernel_AllGather_RING_LL", 100, 200, "kernel"),
+              x("ncclDevKernel_ReduceScatter_Sum", 600, 100, "kernel"),
+              x("gemm", 0, 100, "kernel"), x("gemm", 150, 200, "kernel"), x("attn", 400, 100, "kernel"),
+              x("aten::mm", 0, 400, "cpu_op"), x("FSDP::pre_backward (layers.0)", 20, 30, "cpu_op"),
+              x("FSDP::backward_prefetch for layers.0", 60, 5, "cpu_op"), x("aten::add", 500, 100, "cpu_op", tid=2),
+              x("cudaStreamSynchronize", 500, 50, "cuda_runtime"), x("cudaStreamWaitEvent", 30, 1, "cuda_runtime"),
+              x("cudaStreamWaitEvent", 40, 1, "cuda_runtime"), x("cudaMalloc", 45, 2, "cuda_runtime"),
+              x("cudaLaunchKernel", 10, 3, "cuda_runtime")]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = mod.summarise(str(path))
+    assert s["kernel_busy"] == pytest.approx(0.55) and s["launches"] == 1  # [0, 350] + [400, 500] + [600, 700]
+    step = s["per_step"]
+    assert step["collectives"] == {"allgather": {"count": 1, "ms": 0.2}, "reducescatter": {"count": 1, "ms": 0.1}}
+    assert step["host_syncs"] == {"count": 1, "ms": 0.05, "kinds": ["cudaStreamSynchronize"]}
+    assert (step["stream_waits"], step["allocator_calls"]) == (2, 1)
+    assert step["fsdp_host"] == {"FSDP::backward_prefetch": {"count": 1, "ms": 0.005},
+                                 "FSDP::pre_backward": {"count": 1, "ms": 0.03}}
+    assert step["host_busy_ms_by_thread"] == [[1, 0.4], [2, 0.1]]  # thread 1: [0, 400] holds its FSDP ranges
+    assert s["compute_slowdown_beside_nccl"] == pytest.approx(2.0)  # gemm: 200 us beside the all-gather, 100 alone
+    assert s["steps"] == 1
+    gaps = s["idle_gaps"]  # no kernel in [350, 400], [500, 600], [700, 1000]
+    assert gaps["total_ms"] == pytest.approx(0.45) and gaps["count"] == 3
+    assert gaps["over_100us_ms"] == pytest.approx(0.3)
+    assert gaps["longest"][0] == {"ms": 0.3, "at_ms": 0.7, "after": "ncclDevKernel_ReduceScatter_Sum",
+                                  "before": "(end)", "host": ""}
+    assert [(g["ms"], g["at_ms"]) for g in gaps["longest"][1:]] == [(0.1, 0.5), (0.05, 0.35)]
+    mod.write_timeline(str(path), str(tmp_path / "t.json.gz"))
+    import gzip
+
+    timeline = json.load(gzip.open(tmp_path / "t.json.gz", "rt"))
+    assert [e[3] for e in timeline if e[2].startswith("stream")].count("gemm") == 2
+    assert {e[3] for e in timeline if e[2].startswith("rt")} == {"cudaStreamSynchronize", "cudaStreamWaitEvent"}
+
+
+def test_ncu_attention_reads_the_raw_csv_and_sorts_the_stalls():
+    """benchmarks/ncu_attention.py's parser on ncu's raw page layout (a header row, a units row, a row per
+    kernel; ncu's own ==PROF== lines and the program's prints around it)."""
+    mod = _load_benchmark("ncu_attention")
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "launch__registers_per_thread",
+              "sm__warps_active.avg.pct_of_peak_sustained_active", stall.format("long_scoreboard"),
+              stall.format("barrier"), stall.format("mio_throttle")]
+    text = "\n".join(["==PROF== Connected to process 1", "a print of the program",
+                      ",".join(f'"{h}"' for h in header), '"","","usecond","register/thread","%","","",""',
+                      '"0","_sel_bwd_dkdv","645.5","240","11.2","9.5","1.25","3.0"',
+                      '"1","_band_fwd","110","255","12.4","0.5","n/a","2"', "==PROF== Disconnected"])
+    rows = mod.parse_raw(text)
+    assert [r["kernel"] for r in rows] == ["_sel_bwd_dkdv", "_band_fwd"]
+    assert rows[0]["duration"] == 645.5 and rows[0]["duration_unit"] == "usecond" and rows[0]["registers"] == 240
+    assert list(rows[0]["stalls"].items()) == [("long_scoreboard", 9.5), ("mio_throttle", 3.0), ("barrier", 1.25)]
+    assert list(rows[1]["stalls"]) == ["mio_throttle", "long_scoreboard"]  # "n/a" is left out, not zero
+    assert "long_scoreboard 9.5" in mod.to_markdown(dict(case="m7c:8192:2", device="d", torch="t", triton="x",
+                                                          date="now", command="ncu", kernels=rows))
+
+
+def test_fsdp_unit_overhead_table_subtracts_the_step_without_data_parallelism():
+    mod = _load_benchmark("fsdp_unit_overhead")
+    rows = [{"k": "no dp", "step_time_s": 0.100, "tokens_per_s_per_gpu": 1000.0},
+            {"k": 1, "units": 12, "step_time_s": 0.250, "tokens_per_s_per_gpu": 400.0},
+            {"k": 4, "units": 3, "step_time_s": 0.1375, "tokens_per_s_per_gpu": 727.3},
+            {"k": 6, "units": 2, "error": "probe exit 1: boom"}]
+    md = mod.to_markdown(dict(tag="t", device="cpu", torch="2", date="now", world=2, warmup=1, steps=2,
+                              train_args=["--config", "x.toml"], rows=rows))
+    assert "| 1 | 12 | 250.0 | +150.0 | 400 |" in md and "| 4 | 3 | 137.5 | +37.5 | 727 |" in md
+    assert "| 6 | - | error: probe exit 1: boom |" in md
+
+
+def test_ab_profile_compares_rounds_by_median_and_names_the_kernels_that_moved(tmp_path):
+    """benchmarks/ab_profile.py's comparison on two rounds of profile_block payloads per tree (an attention case and
+    a block case), and its refusal of a baseline that is not a checkout."""
+    path = common.REPO / "benchmarks" / "ab_profile.py"
+    mod = _load_benchmark("ab_profile")
+
+    def payload(attn_ms, sel_ms, block_ms):
+        prof = dict(kernel_ms=attn_ms, top=[("_sel_fwd", sel_ms, 1), ("_band_fwd", attn_ms - sel_ms, 2)])
+        return dict(attention=[dict(config="1b", T=8192, B=2, profile=prof)],
+                    blocks=[dict(flavor="m7c", attn_type="nsa", T=8192, B=2,
+                                 profile=dict(kernel_ms=block_ms, top=[("mm", block_ms, 6)]))])
+
+    base = [mod.kernel_times(payload(2.7, 0.57, 4.3)), mod.kernel_times(payload(2.6, 0.56, 4.4))]
+    new = [mod.kernel_times(payload(2.5, 0.45, 4.2)), mod.kernel_times(payload(2.55, 0.46, 4.25))]
+    rows = {r["case"]: r for r in mod.compare(base, new)}
+    attn = rows["attention 1b T=8192 B=2"]
+    assert attn["baseline_ms"] == [2.7, 2.6] and attn["new_median"] == 2.525
+    assert abs(attn["speedup"] - 2.65 / 2.525) < 1e-12
+    assert attn["moved"][0] == dict(kernel="_sel_fwd", baseline=0.565, new=0.455)  # moved most: 0.11 ms
+    assert abs(rows["block m7c nsa T=8192 B=2"]["speedup"] - 4.35 / 4.225) < 1e-12
+    # profile_block shortens kernel names, so two kernels can share one: their times add up
+    twice = dict(attention=[dict(config="m7c", T=8192, B=2, profile=dict(
+        kernel_ms=0.06, top=[("cub::Onesweep<..", 0.045, 4), ("cub::Onesweep<..", 0.011, 1), ("fill", 0.004, 1)]))])
+    assert mod.kernel_times(twice)["attention m7c T=8192 B=2"]["kernels"]["cub::Onesweep<.."] == 0.045 + 0.011
+    md = mod.markdown(list(rows.values()), dict(device="H100", baseline="/tmp/b", rounds=2))
+    assert "| attention 1b T=8192 B=2 | 2.700 / 2.600 | 2.500 / 2.550 | 1.050x |" in md
+    # written after every round: a call cut short keeps the rounds that both trees finished
+    meta = dict(device="H100 x", baseline="/tmp/b", rounds=3)
+    partial = mod.write_results(str(tmp_path / "out"), "_t", meta, {"baseline": base, "new": new[:1]})
+    assert "1 of 3 interleaved rounds" in partial and "| 2.700 | 2.500 |" in partial
+    saved = json.loads((tmp_path / "out" / "ab_profile_t_H100_x.json").read_text())
+    assert saved["rounds_done"] == 1 and len(saved["rounds"]["baseline"]) == 2
+    mod.write_results(str(tmp_path / "out2"), "t", meta, {"baseline": base, "new": new})  # a tag without its "_"
+    assert [f.name for f in sorted((tmp_path / "out2").iterdir())] == ["ab_profile_t_H100_x.json",
+                                                                         "ab_profile_t_H100_x.md"]
+    res = subprocess.run([sys.executable, str(path), "--baseline", str(tmp_path), "--attention", "1b"],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "no benchmarks/profile_block.py there" in res.stderr
+
+
+def test_whole_model_table_judges_a_target_only_against_a_dense_run():
+    """benchmarks/whole_model_table.py: an NSA row whose command ran no dense variant is marked '(no dense run)', not
+    'missed'; with a dense run of the same compile mode the ratio decides met / missed."""
+    mod = _load_benchmark("whole_model_table")
+
+    def row(variant, tps):
+        return dict(variant=variant, last_window_tokens_per_s_per_gpu=tps, model=dict(flavor="m7c"),
+                    training=dict(seq_len=8192, local_batch_size=2), peak_mem_gib=7.5)
+
+    alone = mod.ratio_rows(dict(tag="paths", rows=[row("triton_compile_cg", 300e3), row("torch_compile_cg", 100e3)]))
+    paired = mod.ratio_rows(dict(tag="pair", rows=[row("triton_compile_cg", 300e3), row("dense_compile_cg", 360e3),
+                                                   row("triton_compile", 380e3), row("dense_compile", 370e3)]))
+    md = mod.markdown(alone + paired, dict(device="H100", torch="t", triton="x"))
+    assert md.count(">= 1.0 (no dense run)") == 2 and "missed | 7.5 | - | paths" not in md
+    assert "| 0.8333 | >= 1.0 missed |" in md and "| 1.0270 | >= 1.0 met |" in md
+    # Four decimals: a ratio just under the target does not print as the target.
+    close = mod.ratio_rows(dict(tag="close", rows=[row("triton_compile_cg", 366.8e3), row("dense_compile_cg", 367e3)]))
+    assert "| 0.9995 | >= 1.0 missed | 1 |" in mod.markdown(close, dict(device="H100", torch="t", triton="x"))
+    # Rounds (bench_train.py --rounds): NSA and dense paired by round, the median of the rounds' ratios (not the
+    # ratio of the medians), their range, and the median tokens/s; a round whose dense run failed has no pair.
+    three = [dict(row("triton_compile_cg", nsa), round=i) for i, nsa in ((1, 330e3), (2, 340e3), (3, 345e3))]
+    dense = [dict(row("dense_compile_cg", d), round=i) for i, d in ((1, 370e3), (2, 340e3), (3, 360e3))]
+    (r,) = mod.ratio_rows(dict(tag="rounds", rows=three + dense + [dict(variant="dense_compile_cg", round=4,
+                                                                        error="exit code 1")]))
+    assert (r["nsa_tokens_per_s"], r["dense_tokens_per_s"], r["rounds"]) == (340e3, 360e3, 3)
+    assert r["ratio"] == 345e3 / 360e3 and (r["ratio_min"], r["ratio_max"]) == (330e3 / 370e3, 1.0)
+    assert "| 0.9583 | >= 1.0 missed | 3: 0.8919-1.0000 |" in mod.markdown([r], dict(device="H", torch="t", triton="x"))
+
+
+def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path):
+    """bench_attention.py's kernel table gives each row's GPU kernel time beside its wall time and marks a row whose
+    wall time is above HOST_BOUND times its kernels' (an eager op bound by its launches), and only that row."""
+    mod = _load_benchmark("bench_attention")
+    row = dict(nsa_fwd_ms=0.8, sdpa_fwd_ms=0.3, sdpa_fwdbwd_ms=1.0, speedup_fwd=0.4, speedup_fwdbwd=0.5)
+    payload = dict(device="H100 x", torch="t", triton="r", date="d", note="three runs, merged", bench=[
+        dict(row, config="m7c", T=8192, nsa_fwdbwd_ms=2.1, nsa_fwdbwd_kernel_ms=1.3),
+        dict(row, config="m7c", T=32768, nsa_fwdbwd_ms=6.0, nsa_fwdbwd_kernel_ms=5.9),
+        dict(row, config="1b", T=8192, nsa_fwdbwd_ms=2.5)])  # an older run's JSON: no kernel time
+    mod.write(str(tmp_path), payload)
+    lines = (tmp_path / "attention_H100_x.md").read_text().splitlines()
+    assert lines[2].endswith("for the analysis. three runs, merged")  # a merged table says so in its header
+    rows = {tuple(x.split(" | ")[:2]): x for x in lines if x.startswith("| m7c") or x.startswith("| 1b")}
+    assert "| 1.30 (host-bound) |" in rows[("| m7c", "8192")]
+    assert "| 5.90 |" in rows[("| m7c", "32768")] and "host-bound" not in rows[("| m7c", "32768")]
+    assert "host-bound" not in rows[("| 1b", "8192")] and "| 2.50 | - |" in rows[("| 1b", "8192")]
+
+
+def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypatch):
+    """bench_train.py --from-json: the markdown of a run whose device call brought back only its JSON, with the
+    same rows (a failed variant included) as the run itself writes."""
+    mod = _load_benchmark("bench_train")
+    ok = dict(variant="triton_compile_cg", tokens_per_s=231862.4, last_window_tokens_per_s_per_gpu=323570.0,
+              mfu=0.129, gpu_busy=0.994, peak_mem_gib=7.41, initial_loss=5.92, final_loss=2.85)
+    result = dict(tag="m7c_x", device="H100", torch="t", triton="r", date="2026-11-26T18:00:00+00:00",
+                  notes=["a note"], rows=[ok, dict(variant="dense_compile_cg", error="exit code 2")])
+    (tmp_path / "train_m7c_x.json").write_text(json.dumps(result))
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--from-json", str(tmp_path / "train_m7c_x.json")])
+    mod.main()
+    md = (tmp_path / "train_m7c_x.md").read_text()
+    assert md.startswith("# Training throughput: m7c_x (H100, torch t, triton r, 2026-11-26)")
+    assert "| triton_compile_cg | 231,862 | 323,570 | 12.9% | 99.4% | 7.4 | 5.92 -> 2.85 |" in md
+    assert "| dense_compile_cg | failed: exit code 2 | | | | | |" in md and md.rstrip().endswith("a note")
+
+
+def test_bench_train_rounds_alternate_the_order_and_name_each_row_s_round(tmp_path, monkeypatch):
+    """bench_train.py --rounds R runs the variant list R times, every other round reversed (a drift during the
+    command moves every variant alike), and its rows and markdown name their round; --rounds 0 is refused."""
+    mod = _load_benchmark("bench_train")
+    ran = []
+
+    def fake_run(config, steps, name, extra):
+        ran.append(name)
+        return dict(variant=name, tokens_per_s=1.0 + len(ran), last_window_tokens_per_s_per_gpu=2.0, mfu=0.1,
+                    gpu_busy=0.9, peak_mem_gib=1.0, initial_loss=5.0, final_loss=4.0)
+
+    monkeypatch.setattr(mod, "train_run", fake_run)
+    monkeypatch.setattr(mod, "environment", lambda: dict(device="H100", torch="t", triton="r"))
+    argv = ["bench_train.py", "--variants", "triton_compile_cg,dense_compile_cg", "--tag", "r", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", [*argv, "--rounds", "3"])
+    mod.main()
+    assert ran == ["triton_compile_cg", "dense_compile_cg", "dense_compile_cg", "triton_compile_cg",
+                   "triton_compile_cg", "dense_compile_cg"]
+    rows = json.loads((tmp_path / "train_r.json").read_text())["rows"]
+    assert [(x["variant"][0], x["round"]) for x in rows] == [("t", 1), ("d", 1), ("d", 2), ("t", 2), ("t", 3), ("d", 3)]
+    md = (tmp_path / "train_r.md").read_text()
+    assert "| variant | round | tokens/s" in md and "| dense_compile_cg | 2 | 4 | 2 |" in md
+    monkeypatch.setattr("sys.argv", [*argv, "--rounds", "0"])
+    with pytest.raises(SystemExit, match="--rounds 0: give 1 or more"):
+        mod.main()
+
+
+def test_bench_window_table_lists_the_paths_that_ran_with_their_determinism():
+    """bench_window.py's markdown has a column per path that ran (a subset from --paths leaves the others out), and
+    says per path whether its two backward runs were bitwise equal."""
+    mod = _load_benchmark("bench_window")
+    row = dict(config="m7c", T=8192, B=2, band_ms=0.9, band_err=0.0, band_det=True, torch_flash_ms=0.7,
+               torch_flash_err=2e-3, torch_flash_det=False, fastest="torch_flash")
+    md = mod.to_markdown(dict(device="H100", torch="t", triton="r", date="d", window=512, rows=[row]))
+    header = next(x for x in md.splitlines() if x.startswith("| config"))
+    assert "band ms | torch_flash ms |" in header and "flex" not in header and "band det | torch_flash det" in header
+    assert "| 0.900 | 0.700 | 0.0e+00 | 2.0e-03 | yes | no | torch_flash |" in md
+
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_roofline_splits_a_whole_model_row_into_attention_and_the_rest(ac):
+    """benchmarks/roofline_whole_model.py: with the rest of the step R per token and the kernel table's times, a dense
+    row of R + L * (SDPA f+b [+ SDPA fwd under full AC]) / T and an NSA row of R + L * (NSA kernels [+ NSA fwd]) / T
+    give R back from both rows (their ratio 1); the attention speed-up the 8k target needs is NSA's attention time
+    over dense's; the best case at SDPA's FLOP rate is R + NSA's useful FLOPs at that rate. A mode with no known
+    recompute is refused."""
+    pytest.importorskip("triton")
+    mod = _load_benchmark("roofline_whole_model")
+    L, T, rest = 2, 8192, 10e-6
+    k = dict(config="1b", T=T, sdpa_fwdbwd_ms=2.0, sdpa_fwd_ms=0.5, nsa_fwdbwd_ms=3.0, nsa_fwdbwd_kernel_ms=2.5,
+             nsa_fwd_ms=0.6)
+    rc = 1.0 if ac == "full" else 0.0
+    a_dense = L * (2.0 + rc * 0.5) / 1e3 / T
+    a_nsa = L * (2.5 + rc * 0.6) / 1e3 / T
+    args = dict(n_layers=L, n_heads=16, n_kv_heads=1, head_dim=128, v_head_dim=None, cmp_block=32, cmp_stride=16,
+                slc_block=64, slc_top_n=16, window=512)
+
+    def row(variant, seconds_per_token):
+        return dict(variant=variant, last_window_tokens_per_s_per_gpu=1 / seconds_per_token,
+                    model=dict(flavor="1b", args=args), training=dict(seq_len=T, local_batch_size=2),
+                    activation_checkpoint=dict(mode=ac))
+
+    result = dict(tag="t", rows=[row("triton_compile_cg", rest + a_nsa), row("dense_compile_cg", rest + a_dense)])
+    (r,) = mod.roofline_rows(result, dict(bench=[k]))
+    assert r["attention_config"] == "1b" and r["ac_full"] == (ac == "full")
+    assert r["rest_nsa_over_dense"] == pytest.approx(1.0, rel=1e-9)
+    assert r["rest_us_per_token"] == pytest.approx(rest * 1e6, rel=1e-9)
+    assert r["measured_ratio"] == pytest.approx((rest + a_dense) / (rest + a_nsa), rel=1e-9)
+    assert r["needed_attention_speedup"] == pytest.approx(a_nsa / a_dense, rel=1e-9)  # target 1.0 at 8k
+    cfg = mod.CONFIGS["1b"]
+    best = L * (mod.flops(T, cfg, False) / (mod.sdpa_flops(T, cfg, False) / 2.0e-3)
+                + rc * mod.flops(T, cfg, True) / (mod.sdpa_flops(T, cfg, True) / 0.5e-3)) / T
+    assert r["best_ratio_at_sdpa_rate"] == pytest.approx((rest + a_dense) / (rest + best), rel=1e-9)
+    bad = dict(tag="t", rows=[dict(row("triton_compile_cg", 1e-5), activation_checkpoint=dict(mode="ratio")),
+                              row("dense_compile_cg", 1e-5)])
+    with pytest.raises(ValueError, match="only 'none' and 'full'"):
+        mod.roofline_rows(bad, dict(bench=[k]))
+    assert "no kernel-table row" in mod.roofline_rows(result, dict(bench=[dict(k, T=4096)]))[0]["skipped"]
+
+
+def test_correlated_queries_are_a_unit_variance_ar1_along_t():
+    """benchmarks/attention_checks.correlated_along_t (sweep_selected.py --q-corr): each value stays N(0, 1), the
+    lag-1 and lag-3 correlations along T are corr and corr^3 (not across heads or batch rows), 0 returns the input,
+    and a correlation of 1 or more is refused."""
+    pytest.importorskip("triton")
+    mod = _load_benchmark("attention_checks")
+    x = torch.randn(2, 20000, 3, 4, generator=torch.Generator().manual_seed(0))
+    assert mod.correlated_along_t(x, 0.0) is x
+    y = mod.correlated_along_t(x, 0.8)
+    assert y.shape == x.shape
+    assert float(y.var()) == pytest.approx(1.0, abs=0.05) and float(y[:, :5].var()) == pytest.approx(1.0, abs=0.35)
+
+    def lag_corr(z, k):
+        a, b = z[:, k:].flatten(), z[:, :-k].flatten()
+        return float(((a - a.mean()) * (b - b.mean())).mean() / (a.std() * b.std()))
+
+    assert lag_corr(y, 1) == pytest.approx(0.8, abs=0.02) and lag_corr(y, 3) == pytest.approx(0.512, abs=0.02)
+    assert abs(float((y[:, :, 0] * y[:, :, 1]).mean())) < 0.05  # heads stay independent
+    with pytest.raises(ValueError, match="0 <= q_corr < 1"):
+        mod.correlated_along_t(x, 1.0)
