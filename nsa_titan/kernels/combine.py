@@ -100,6 +100,16 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def mix_operands(mix: tuple | None, placeholder: torch.Tensor, before_mix=None) -> tuple:
+    """The (o_cmp, o_win, gates, out) a MIX launch reads: ``placeholder`` four times when ``mix`` is None (MIX off:
+    never read), else ``mix``, after ``before_mix()`` when given (ops joins the window's side stream there)."""
+    if mix is None:
+        return (placeholder,) * 4
+    if before_mix is not None:
+        before_mix()
+    return mix
+
+
 def combine_fwd(o_c, o_s, o_w, gates, out=None):
     """-> g_cmp*o_c + g_slc*o_s + g_win*o_w (gates [..., 3]), written into ``out`` (contiguous) when given."""
     o_c, o_s, o_w, gates = (x.contiguous() for x in (o_c, o_s, o_w, gates))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, finish_softmax, online_softmax
-from nsa_titan.kernels.combine import combine_fwd, mix_rows, pow2
+from nsa_titan.kernels.combine import combine_fwd, mix_operands, mix_rows, pow2
 from nsa_titan.kernels.selected_blocks import block_tile, load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
@@ -350,9 +350,7 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     if lc.get("algo") == "tokens":  # NT neighbouring tokens per program over their blocks' union (_sel_fwd_tokens)
         nt = lc.get("NT", 4)
-        oc, ow, gates, out = (o, o, o, o) if mix is None else mix  # any tensor when MIX is off (never read)
-        if mix is not None and before_mix is not None:
-            before_mix()
+        oc, ow, gates, out = mix_operands(mix, o, before_mix)
         launch_tma(_sel_fwd_tokens, (triton.cdiv(T, nt), B * HKV),
                    (q, k, v, block_idx, o, lse, lse if doc_start is None else doc_start, oc, ow, gates, out,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, G, HKV, DK**-0.5 * LOG2E),
@@ -367,9 +365,8 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
                                                         DOC=doc_start is not None, num_warps=lc["num_warps"],
                                                         num_stages=lc["num_stages"]))
     if mix is not None:
-        if before_mix is not None:
-            before_mix()
-        combine_fwd(mix[0], o, mix[1], mix[2], out=mix[3])
+        oc, ow, gates, out = mix_operands(mix, o, before_mix)
+        combine_fwd(oc, o, ow, gates, out=out)
     return (o, lse, None) if with_pairs else (o, lse)
 
 

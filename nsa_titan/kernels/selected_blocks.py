@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels import pair_sort
-from nsa_titan.kernels.combine import mix_rows, pow2
+from nsa_titan.kernels.combine import mix_operands, mix_rows, pow2
 
 
 @triton.jit
@@ -370,9 +370,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DV)
-    oc, ow, gates, out = (o, o, o, o) if mix is None else mix  # any tensor when MIX is off (never read)
-    if mix is not None and before_mix is not None:
-        before_mix()
+    oc, ow, gates, out = mix_operands(mix, o, before_mix)
     _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, oc, ow, gates, out, T, G, HKV, NSEL=n,
                                               NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"], MIX=mix is not None,
                                               num_warps=4)
