@@ -186,6 +186,18 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
     """-> (dq, dk, dv); ``delta``, ``dq_acc`` and ``doc_start`` as in band_bwd.band_bwd; ``keys``: the forward's
     sorted pair keys (sel_fwd with_pairs), or None to sort here; ``dq_buffer_bytes``: the budget for stored dS /
     dQ partials (None: selected.DS_BUDGET; see selected._cfg)."""
+    dq, dk, dv, _ = sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block, cfg_dq, cfg_dkdv, delta, dq_acc,
+                                  doc_start, keys, dq_buffer_bytes)
+    return dq, dk, dv
+
+
+def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None = None,
+                  cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None,
+                  dq_buffer_bytes: int | None = None, sum_dq: bool = True):
+    """sel_bwd -> (dq, dk, dv, partials). With ``sum_dq`` False and dQ as per-(token, slot) partials (selected._cfg's
+    'partials'), the partials are not summed here: ``partials`` is (dqp, block_idx), for band_bwd.band_dq2 to add
+    in its pass (attempt 88), and ``dq`` holds nothing of this branch (dq_acc unchanged, or uninitialised). Else
+    ``partials`` is None and dq is complete."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     n = block_idx.shape[-1]
@@ -257,8 +269,10 @@ def sel_bwd(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict | None 
             launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
                        specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))
     elif algo == "partials":
+        if not sum_dq:
+            return dq, dk, dv, (dqp, block_idx)
         sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
-    return dq, dk, dv
+    return dq, dk, dv, None
 
 
 def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:
