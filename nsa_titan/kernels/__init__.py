@@ -18,7 +18,6 @@ except ImportError:
 except Exception as e:  # a broken triton install must read as "no kernels", not crash the model import
     raise ImportError(f"triton is unusable: {e}") from e
 
-from nsa_titan.kernels.compress import compress_mlp_pair  # noqa: E402
 from nsa_titan.kernels.ops import OPS, nsa_attention  # noqa: E402
 
-__all__ = ["OPS", "compress_mlp_pair", "nsa_attention"]
+__all__ = ["OPS", "nsa_attention"]

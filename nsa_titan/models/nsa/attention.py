@@ -15,12 +15,11 @@ from nsa_titan.models.nsa.common import NSAParams
 
 # Resolved once at import: the forward must not import or try/except (it runs under torch.compile).
 try:
-    from nsa_titan.kernels import compress as _triton_compress
     from nsa_titan.kernels import nsa_attention as _triton_nsa_attention  # also registers torch.ops.nsa_titan.*
 
     _TRITON_ERROR = None
 except ImportError as _e:  # triton missing, or no kernels for this platform
-    _triton_nsa_attention, _triton_compress, _TRITON_ERROR = None, None, _e
+    _triton_nsa_attention, _TRITON_ERROR = None, _e
 
 # The function behind each concrete model.attn_impl (the choices themselves are NSAModelArgs.attn_impl's type).
 NSA_IMPLS = {"reference": reference.nsa_attention, "torch": torch_impl.nsa_attention, "triton": _triton_nsa_attention}
@@ -108,22 +107,16 @@ class Compressor(nn.Module):
             nn.init.normal_(self.fc2.weight, std=self.fc2.in_features**-0.5)
 
 
-def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tensor, triton: bool = False):
+def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tensor):
     """(ck(k), cv(v)) in one pass when both are MLPs of one width: the two compressors' matmuls, forward and
     backward, run as batched matmuls over both (six launches instead of twelve) and their unfold, position
     embedding and backward scatter as one kernel each under torch.compile. They were ~0.16 ms of small kernels per
     m7c block at 8k batch 2 on an H100, half of what an NSA block spends besides attention
     (benchmarks/results/profile_block_blocks8k_s10_*). Decoding compresses one block at a time with each Compressor
-    on its own (the same function).
-
-    ``triton``: the same MLPs through kernels/compress.py (attempt 89: no unfolded blocks in memory, forward or
-    backward) where its shapes allow (compress.supported); this function's batched matmuls are its spec."""
+    on its own (the same function)."""
     b, t, h, d = k.shape
     if ck.kind != "mlp" or cv.kind != "mlp" or v.shape[-1] != d or t < ck.block:
         return ck(k), cv(v)
-    if triton and _triton_compress is not None and _triton_compress.supported(k, v, ck.block, ck.stride):
-        return _triton_compress.compress_mlp_pair(k, v, ck.pos_emb, cv.pos_emb, ck.fc1.weight, cv.fc1.weight,
-                                                  ck.fc2.weight, cv.fc2.weight, ck.block, ck.stride)
     blocks = torch.stack((k, v)).unfold(2, ck.block, ck.stride).transpose(-1, -2)  # [2, B, Tc, H, l, D]
     pos = torch.stack((ck.pos_emb, cv.pos_emb)).to(k.dtype)[:, None, None, None]  # [2, 1, 1, 1, l, D]
     x = (blocks + pos).flatten(-2).flatten(1, 3)  # [2, B * Tc * H, l * D]
@@ -182,10 +175,10 @@ class NSAAttention(nn.Module):
         if cache is not None and t == 1:
             out = cache.attend(q, raw, slc, win, gates)
         else:
+            cmp = compress_pair(self.compress_k, self.compress_v, raw[0], raw[1])
             # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device
             # type is static, so under torch.compile this runs once, at trace time.
             name = resolve_attn_impl(self.impl_name, q.device)
-            cmp = compress_pair(self.compress_k, self.compress_v, raw[0], raw[1], triton=name == "triton")
             kernel_args = {"dq_buffer_bytes": self.dq_buffer_bytes} if name == "triton" else {}
             out, blocks = NSA_IMPLS[name](q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start, **kernel_args)
             if cache is not None:
