@@ -233,3 +233,29 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
     monkeypatch.setitem(attention.NSA_IMPLS, impl, spy)
     tiny_model(attn_impl=impl, dq_buffer_gib=gib)(torch.randint(0, 256, (1, 40)))
     assert seen == ([int(gib * 2**30)] * 2 if impl == "triton" else [None, None])
+
+
+def test_gate_logits_pads_the_matmul_to_eight_outputs_and_gives_the_same_values(monkeypatch):
+    """attention.gate_logits (attempt 90): the gate projection's matmul sees a multiple of 8 output rows (m7c's 36
+    ran 2-element-aligned cutlass kernels), and values and weight gradients are those of the plain projection."""
+    import torch.nn.functional as F
+
+    from nsa_titan.models.nsa import attention
+
+    rows = []
+    linear = F.linear
+    monkeypatch.setattr(attention.F, "linear", lambda x, w: rows.append(w.shape[0]) or linear(x, w))
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24)
+    for n in (36, 48, 3):
+        w = torch.randn(n, 24, requires_grad=True)
+        got = attention.gate_logits(x, w)
+        g = torch.randn(got.shape)
+        (got * g).sum().backward()
+        dw, w.grad = w.grad, None
+        want = linear(x, w)
+        (want * g).sum().backward()
+        # the padded matmul may block its sums differently: fp32 rounding apart, the same values
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(dw, w.grad, rtol=1e-5, atol=1e-5)
+    assert rows == [40, 48, 8]

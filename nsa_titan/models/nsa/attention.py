@@ -126,6 +126,17 @@ def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tens
     return out[0], out[1]
 
 
+def gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with the weight's rows padded with zeros to a multiple of 8 for the matmul, then sliced back: the
+    same values. The gate projection has 3 * n_heads outputs; where that is not a multiple of 8 (m7c: 36) cuBLAS ran
+    sm80 cutlass kernels with 2-element alignment for its three GEMMs, 0.057 ms per m7c block at 8k batch 2 on an
+    H100 (attempt 90; benchmarks/results/profile_block_s23_*), for less than 1 GFLOP each."""
+    pad = -weight.shape[0] % 8
+    if pad == 0:
+        return F.linear(x, weight)
+    return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[..., : weight.shape[0]]
+
+
 class NSAAttention(nn.Module):
     """Native sparse attention: compressed, selected and sliding-window branches mixed by sigmoid gates."""
 
@@ -159,7 +170,7 @@ class NSAAttention(nn.Module):
         ks, vs = k.unbind(2), v.unbind(2)
         if self.n_kv_sets == 1:
             ks, vs = ks * 3, vs * 3
-        gates = torch.sigmoid(self.wgate(x).float()).view(b, t, self.n_heads, 3)
+        gates = torch.sigmoid(gate_logits(x, self.wgate.weight).float()).view(b, t, self.n_heads, 3)
         return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
 
     def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None, cache=None):
