@@ -236,8 +236,9 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
 
 
 def test_gate_logits_pads_the_matmul_to_eight_outputs_and_gives_the_same_values(monkeypatch):
-    """attention.gate_logits (attempt 90): the gate projection's matmul sees a multiple of 8 output rows (m7c's 36
-    ran 2-element-aligned cutlass kernels), and values and weight gradients are those of the plain projection."""
+    """attention.gate_logits (attempt 90): with multiple 8 the gate projection's matmul sees a multiple of 8 output
+    rows (m7c's 36 ran 2-element-aligned cutlass kernels on an H100), and values and weight gradients are those of
+    the plain projection. The model pads on GPUs only (gate_pad_multiple): on the CPU the ops stay as they were."""
     import torch.nn.functional as F
 
     from nsa_titan.models.nsa import attention
@@ -249,7 +250,7 @@ def test_gate_logits_pads_the_matmul_to_eight_outputs_and_gives_the_same_values(
     x = torch.randn(2, 5, 24)
     for n in (36, 48, 3):
         w = torch.randn(n, 24, requires_grad=True)
-        got = attention.gate_logits(x, w)
+        got = attention.gate_logits(x, w, 8)
         g = torch.randn(got.shape)
         (got * g).sum().backward()
         dw, w.grad = w.grad, None
@@ -259,3 +260,4 @@ def test_gate_logits_pads_the_matmul_to_eight_outputs_and_gives_the_same_values(
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         assert torch.allclose(dw, w.grad, rtol=1e-5, atol=1e-5)
     assert rows == [40, 48, 8]
+    assert attention.gate_pad_multiple(torch.zeros(4, 300, 24)) == 1

@@ -126,15 +126,22 @@ def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tens
     return out[0], out[1]
 
 
-def gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T with the weight's rows padded with zeros to a multiple of 8 for the matmul, then sliced back: the
-    same values. The gate projection has 3 * n_heads outputs; where that is not a multiple of 8 (m7c: 36) cuBLAS ran
-    sm80 cutlass kernels with 2-element alignment for its three GEMMs, 0.057 ms per m7c block at 8k batch 2 on an
-    H100 (attempt 90; benchmarks/results/profile_block_s23_*), for less than 1 GFLOP each."""
-    pad = -weight.shape[0] % 8
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """x @ weight^T, with the weight's rows padded with zeros to a multiple of ``multiple`` for the matmul and the
+    result sliced back: the same values. The gate projection has 3 * n_heads outputs; where that is not a multiple
+    of 8 (m7c: 36), cuBLAS ran sm80 cutlass kernels with 2-element alignment for its three GEMMs on an H100, 0.057 ms
+    per m7c block at 8k batch 2 for less than 1 GFLOP each; padded, 0.029 (attempt 90;
+    benchmarks/results/profile_block_{s23,gate_s23}_*)."""
+    pad = -weight.shape[0] % multiple
     if pad == 0:
         return F.linear(x, weight)
     return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[..., : weight.shape[0]]
+
+
+def gate_pad_multiple(x: torch.Tensor) -> int:
+    """gate_logits' ``multiple`` for input x: 8 for a GEMM on a GPU; 1 on the CPU, where alignment does not pick the
+    kernel, and for a decode step's few rows, which would pay two more ops per layer for nothing."""
+    return 8 if x.is_cuda and x.numel() // x.shape[-1] >= 256 else 1
 
 
 class NSAAttention(nn.Module):
@@ -170,7 +177,8 @@ class NSAAttention(nn.Module):
         ks, vs = k.unbind(2), v.unbind(2)
         if self.n_kv_sets == 1:
             ks, vs = ks * 3, vs * 3
-        gates = torch.sigmoid(gate_logits(x, self.wgate.weight).float()).view(b, t, self.n_heads, 3)
+        logits = gate_logits(x, self.wgate.weight, gate_pad_multiple(x))
+        gates = torch.sigmoid(logits.float()).view(b, t, self.n_heads, 3)
         return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
 
     def forward(self, x, cos, sin, return_blocks: bool = False, doc_start=None, cache=None):
