@@ -12,7 +12,8 @@ no single program serialises a popular block's list.
 dQ, three ways: recomputed per token (one program per (token, batch, KV head) with the G heads as rows, as the
 forward), dS K from the dS the dK/dV walk stores (both in selected_dq.py, each also for NT neighbouring tokens
 as one tile over their blocks' union), or (small groups at head dim <= l') the sum of per-(token, slot) partials
-dS K that the dK/dV walk computes with the K block it holds.
+dS K that the dK/dV walk computes with the K block it holds (summed by selected_blocks.sel_dq_sum, or in the
+model's backward by band_bwd.band_dq2 together with the window's and the compressed branch's dQ: sel_bwd_parts).
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 """
