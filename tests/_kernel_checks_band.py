@@ -187,9 +187,10 @@ def _band_dq2_check(device):
 
 def _band_dq2_partials_check(device):
     """The selected branch's dQ partials added inside band_dq2 (attempt 88) against the selected backward's own sum
-    kernel followed by band_dq2 adding into its dQ: G 3 over two KV heads, and G 6 with documents, partials in fp32
-    and in the inputs' dtype; the fused call writes a NaN-filled dQ (acc False), so a read of it shows. dK/dV must
-    not change. Then the model's backward with the path switched on (tuned entries for 'partials' and band_dq2),
+    kernel followed by band_dq2 adding into its dQ: G 3 over two KV heads and G 6 with documents (fp32 partials),
+    G 2 in fp16 with fp16 partials (the model's choice on a GPU: partials in the inputs' dtype; the fused sum rounds
+    once fewer, so 2 fp16 ulps apart); the fused call writes a NaN-filled dQ (acc False), so a read of it shows. dK/dV
+    must not change. Then the model's backward with the path switched on (tuned entries for 'partials' and band_dq2),
     whole attention against float64, with documents and with a causal prefix (whose rows are added before the
     partials); there the sum kernel must not run. Dropping the partials fails it by O(1)."""
     import torch
@@ -198,25 +199,25 @@ def _band_dq2_partials_check(device):
 
     worst = {}
     cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1)
-    for case in (CASES[3], DOC_CASES[1]):
+    for case, bits in ((CASES[3], 32), (DOC_CASES[1], 32), (CASES[5], 16)):
         x = _sel_inputs(case, device)
         p, q, do, doc = x["p"], x["q"], x["do"], x["doc"]
         o_w, lse_w = band.band_fwd(q, x["ks"], x["vs"], 1, 0, p.window, doc_start=doc)
         o_c, lse_c = band.band_fwd(q, x["kc"], x["kc"], p.cmp_stride, p.cmp_block - 1, 0, doc_start=doc)
         branches = ((x["ks"], x["vs"], lse_w, combine.rowdot(do, o_w), 1, 0, p.window),
                     (x["kc"], x["kc"], lse_c, combine.rowdot(do, o_c), p.cmp_stride, p.cmp_block - 1, 0))
-        for bits in (32, 16):
-            a = dict(algo="partials", partial_bits=bits)
-            args = (do, q, x["ks"], x["vs"], x["o"], x["lse"], x["idx"], p.slc_block)
-            dq, dk, dv = selected_bwd.sel_bwd(*args, cfg_dq=a, doc_start=doc)
-            want = band_bwd.band_dq2(do, q, *branches, dq, doc_start=doc, cfg=cfg)
-            _, dk2, dv2, parts = selected_bwd.sel_bwd_parts(*args, cfg_dq=a, doc_start=doc, sum_dq=False)
-            got = band_bwd.band_dq2(do, q, *branches, torch.full_like(q, float("nan")), doc_start=doc, cfg=cfg,
-                                    dq_partials=parts, acc=False)
-            without = band_bwd.band_dq2(do, q, *branches, torch.zeros_like(q), doc_start=doc, cfg=cfg)
-            worst[f"{case[0]}_{bits}"] = rel_err(got, want)
-            worst[f"{case[0]}_{bits}_dkdv"] = max(rel_err(dk2, dk), rel_err(dv2, dv))
-            worst[f"{case[0]}_{bits}_without"] = -rel_err(without, want)  # must be far from 0 (negated: max below)
+        a = dict(algo="partials", partial_bits=bits)
+        args = (do, q, x["ks"], x["vs"], x["o"], x["lse"], x["idx"], p.slc_block)
+        dq, dk, dv = selected_bwd.sel_bwd(*args, cfg_dq=a, doc_start=doc)
+        want = band_bwd.band_dq2(do, q, *branches, dq, doc_start=doc, cfg=cfg)
+        _, dk2, dv2, parts = selected_bwd.sel_bwd_parts(*args, cfg_dq=a, doc_start=doc, sum_dq=False)
+        assert parts[0].dtype == (torch.float32 if bits == 32 else q.dtype)
+        got = band_bwd.band_dq2(do, q, *branches, torch.full_like(q, float("nan")), doc_start=doc, cfg=cfg,
+                                dq_partials=parts, acc=False)
+        without = band_bwd.band_dq2(do, q, *branches, torch.zeros_like(q), doc_start=doc, cfg=cfg)
+        worst[f"{case[0]}_{bits}"] = rel_err(got, want)
+        worst[f"{case[0]}_{bits}_dkdv"] = max(rel_err(dk2, dk), rel_err(dv2, dv))
+        worst[f"{case[0]}_{bits}_without"] = -rel_err(without, want)  # must be far from 0 (negated: max below)
     model, fused_calls, sums = {}, [], []
     dq2, dq_sum = band_bwd.band_dq2, selected_bwd.sel_dq_sum
     band_bwd.band_dq2 = lambda *a, **kw: (fused_calls.append(kw.get("dq_partials") is not None), dq2(*a, **kw))[1]
@@ -227,8 +228,8 @@ def _band_dq2_partials_check(device):
                 model[case[0]] = run_case(case, device)
     finally:
         band_bwd.band_dq2, selected_bwd.sel_dq_sum = dq2, dq_sum
-    tol = 1e-5 if device == "cpu" else TOL["float32"]
-    unit_ok = all(w < tol for k, w in worst.items() if not k.endswith("without")) and all(
+    tol = {k: 2e-3 if k.startswith(CASES[5][0]) else 1e-5 if device == "cpu" else TOL["float32"] for k in worst}
+    unit_ok = all(w < tol[k] for k, w in worst.items() if not k.endswith("without")) and all(
         -w > 0.1 for k, w in worst.items() if k.endswith("without"))
     return {"ok": unit_ok and len(fused_calls) >= len(model) and all(fused_calls) and not sums
             and all(r["ok"] for r in model.values()),
