@@ -71,6 +71,17 @@ def write_results(out: str, stem: str, payload: dict, markdown: str) -> None:
     print(markdown)
 
 
+def write_table(out: str, stem: str, payload: dict, title: str, note: str, columns: list[str],
+                cells: list[list[str]]) -> None:
+    """write_results with the usual markdown: "# <title>: <device>", a line of versions, date and ``note``, and one
+    table; the files are named <stem>_<device>."""
+    lines = [f"# {title}: {payload['device']}", "",
+             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date'][:10]}; {note}", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    write_results(out, f"{stem}_{payload['device'].replace(' ', '_')}", payload, "\n".join(lines) + "\n")
+
+
 def sweep_parser(configs: str) -> argparse.ArgumentParser:
     """The launch-shape sweeps' (sweep_band.py, sweep_selected.py) common options."""
     ap = argparse.ArgumentParser()

@@ -126,18 +126,16 @@ def main():
         res = run(B=1, T=96, HKV=2, G=3, n=4, D=16, lp=16, chunks=(32, 16), device="cpu", check=True)[0]
         print(res)
         sys.exit(0 if res["same"] and res["err"] < 1e-5 else 1)
-    from attention_checks import run_header, write_results
+    from attention_checks import run_header, write_table
 
     payload = run_header(rows=run())
-    lines = [f"# Merge reads of the block forward's partials, whole sequence vs token chunks: {payload['device']}", "",
-             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date'][:10]}; m7c's shapes (B 2, T 8192,"
-             " 2 KV heads, G 6, head dim 64, n 16), one CUDA graph per row, median ms of triton.testing.do_bench.", "",
-             "| chunk (tokens) | producer ms | producer + merge ms | merge's share ms |", "|---|---|---|---|"]
-    lines += [f"| {r['chunk']} | {r['producer_ms']:.4f} | {r['producer_merge_ms']:.4f} | {r['merge_share_ms']:.4f} |"
-              for r in payload["rows"]]
-    dev = payload["device"].replace(" ", "_")
-    write_results(a.out, "probe_l2_partials_" + dev, payload, "\n".join(lines) + "\n")
-
+    write_table(a.out, "probe_l2_partials", payload,
+                "Merge reads of the block forward's partials, whole sequence vs token chunks",
+                "m7c's shapes (B 2, T 8192, 2 KV heads, G 6, head dim 64, n 16), one CUDA graph per row, median ms of "
+                "triton.testing.do_bench.",
+                ["chunk (tokens)", "producer ms", "producer + merge ms", "merge's share ms"],
+                [[str(r["chunk"]), f"{r['producer_ms']:.4f}", f"{r['producer_merge_ms']:.4f}",
+                  f"{r['merge_share_ms']:.4f}"] for r in payload["rows"]])
 
 if __name__ == "__main__":
     main()

@@ -93,15 +93,13 @@ def bench_dq2(B, T, HKV=2, G=6, n=16, D=64, lp=64, cmp=(32, 16), win=512) -> lis
 
 
 def main_dq2(out: str) -> None:
-    from attention_checks import run_header, write_results
+    from attention_checks import run_header, write_table
 
     payload = run_header(rows=bench_dq2(2, 8192) + bench_dq2(8, 2048) + bench_dq2(1, 32768))
-    lines = [f"# The selected dQ partials inside band_dq2 (attempt 88): {payload['device']}", "",
-             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date'][:10]}; m7c shapes (G 6, head "
-             "dim 64, n 16, window 512, compressed l 32 / d 16), median ms of triton.testing.do_bench.", "",
-             "| B | T | variant | ms |", "|---|---|---|---|"]
-    lines += [f"| {r['B']} | {r['T']} | {r['variant']} | {r['ms']:.4f} |" for r in payload["rows"]]
-    write_results(out, "sweep_dq2_partials_" + payload["device"].replace(" ", "_"), payload, "\n".join(lines) + "\n")
+    write_table(out, "sweep_dq2_partials", payload, "The selected dQ partials inside band_dq2 (attempt 88)",
+                "m7c shapes (G 6, head dim 64, n 16, window 512, compressed l 32 / d 16), median ms of "
+                "triton.testing.do_bench.", ["B", "T", "variant", "ms"],
+                [[str(r["B"]), str(r["T"]), r["variant"], f"{r['ms']:.4f}"] for r in payload["rows"]])
 
 
 def main():
@@ -111,16 +109,13 @@ def main():
     a = ap.parse_args()
     if a.dq2:
         return main_dq2(a.out)
-    from attention_checks import run_header, write_results
+    from attention_checks import run_header, write_table
 
     payload = run_header(rows=bench(2, 8192) + bench(8, 2048))
-    lines = [f"# Merge and dQ-sum launch shapes: {payload['device']}", "",
-             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date'][:10]}; m7c shapes, ms.", "",
-             "| B | T | tokens / program | warps | merge ms | dQ sum ms |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['B']} | {r['T']} | {r['tokens']} | {r['warps']}{' (committed)' if r['committed'] else ''} | "
-              f"{r['merge_ms']:.3f} | {r['dq_sum_ms']:.3f} |" for r in payload["rows"]]
-    write_results(a.out, "sweep_slot_kernels_" + payload["device"].replace(" ", "_"), payload, "\n".join(lines) + "\n")
-
+    write_table(a.out, "sweep_slot_kernels", payload, "Merge and dQ-sum launch shapes", "m7c shapes, ms.",
+                ["B", "T", "tokens / program", "warps", "merge ms", "dQ sum ms"],
+                [[str(r["B"]), str(r["T"]), str(r["tokens"]), f"{r['warps']}{' (committed)' if r['committed'] else ''}",
+                  f"{r['merge_ms']:.3f}", f"{r['dq_sum_ms']:.3f}"] for r in payload["rows"]])
 
 if __name__ == "__main__":
     main()

@@ -317,3 +317,16 @@ def test_probe_l2_partials_chunked_merge_equals_the_whole_one():
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "'same': True" in res.stdout
+
+
+def test_write_table_names_the_files_by_device_and_writes_one_table(tmp_path):
+    """attention_checks.write_table: <stem>_<device with underscores>.json holds the payload, .md the title with the
+    device, the versions and date line with the note, and the table."""
+    mod = _load_benchmark("attention_checks")
+    payload = dict(device="NVIDIA H100 80GB HBM3", torch="2.11", triton="3.6", date="2026-11-27T12:00:00", rows=[1])
+    mod.write_table(str(tmp_path), "probe", payload, "A probe", "m7c shapes.", ["a", "b"], [["1", "x"], ["2", "y"]])
+    stem = tmp_path / "probe_NVIDIA_H100_80GB_HBM3"
+    assert json.loads(stem.with_suffix(".json").read_text()) == payload
+    want = ("# A probe: NVIDIA H100 80GB HBM3\n\ntorch 2.11, triton 3.6, 2026-11-27; m7c shapes.\n\n"
+            "| a | b |\n|---|---|\n| 1 | x |\n| 2 | y |\n")
+    assert stem.with_suffix(".md").read_text() == want
