@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_checks import make_inputs, picked_variants, run_sweep, sweep_parser, time_variants  # noqa: E402
 from profile_block import ATTN_CONFIGS, PAPER_P  # noqa: E402
 
-from nsa_titan.kernels import band, band_bwd  # noqa: E402
+from nsa_titan.kernels import band, band_bwd, band_dq2  # noqa: E402
 from nsa_titan.kernels.combine import rowdot  # noqa: E402
 
 
@@ -49,7 +49,7 @@ VARIANTS = {  # first: the default; then without the mask-free interior; then (f
                   dict(keys_rows=True), dict(keys_rows=True, **_v(64, 128, 8, 2)),
                   dict(keys_rows=True, **_v(64, 64, 4, 2)), dict(keys_rows=True, **_v(128, 64, 8, 2)),
                   dict(keys_rows=True, **_v(64, 128, 8, 3)), dict(keys_rows=True, **_v(32, 128, 8, 2))],
-    # The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) against the two
+    # The window's and the compressed branch's dQ in one launch (band_dq2.band_dq2, attempt 82) against the two
     # band_bwd dQ calls (the first variant), both adding into a dQ buffer. Offline sm_90 at G 16 / head dim 128 with
     # descriptors: 64/64/4/3 219 registers, 128/32/8/3 171, 128/64/8/4 229, 64/64/8/3 186, 64/32/4/3 171, no spills;
     # ptxas crashes at 128/64/8/3 (the single-branch default) and at 2 stages
@@ -104,7 +104,7 @@ def case(name: str, T: int, B: int, kernels=tuple(VARIANTS), pick: list[int] | N
                 for k, v, o, lse, delta, geo in branches:
                     band_bwd.band_bwd(do, q, k, v, o, lse, *geo, delta=delta, dq_acc=dq, parts="dq")
             else:
-                band_bwd.band_dq2(do, q, *[(k, v, lse, delta, *geo) for k, v, _, lse, delta, geo in branches], dq,
+                band_dq2.band_dq2(do, q, *[(k, v, lse, delta, *geo) for k, v, _, lse, delta, geo in branches], dq,
                                   cfg=c)
             return (dq,)
 

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from nsa_titan.kernels import band, band_bwd  # noqa: E402
+from nsa_titan.kernels import band, band_dq2  # noqa: E402
 from nsa_titan.kernels.combine import pow2, rowdot  # noqa: E402
 from nsa_titan.kernels.selected_blocks import _sel_dq_sum, _sel_merge, _slot_tokens, sel_dq_sum  # noqa: E402
 
@@ -76,17 +76,17 @@ def bench_dq2(B, T, HKV=2, G=6, n=16, D=64, lp=64, cmp=(32, 16), win=512) -> lis
 
     def separate():
         sel_dq_sum(*parts, dq, D**-0.5, acc=False)
-        band_bwd.band_dq2(do, q, *branches, dq)
+        band_dq2.band_dq2(do, q, *branches, dq)
 
     rows = [dict(B=B, T=T, variant="sum, then band_dq2", ms=triton.testing.do_bench(separate, rep=200))]
     entry = band.launch_cfg("band_dq2", pow2(G), D, False, True)
     for sg in (1, 2, 4, 8):
-        fused = lambda: band_bwd.band_dq2(do, q, *branches, dq, cfg=dict(entry, psum_slots=sg),  # noqa: E731
+        fused = lambda: band_dq2.band_dq2(do, q, *branches, dq, cfg=dict(entry, psum_slots=sg),  # noqa: E731
                                           dq_partials=parts, acc=False)
         rows.append(dict(B=B, T=T, variant=f"band_dq2 with partials, {sg} slots per load",
                          ms=triton.testing.do_bench(fused, rep=200)))
     rows.append(dict(B=B, T=T, variant="band_dq2 alone (no partials)",
-                     ms=triton.testing.do_bench(lambda: band_bwd.band_dq2(do, q, *branches, dq), rep=200)))
+                     ms=triton.testing.do_bench(lambda: band_dq2.band_dq2(do, q, *branches, dq), rep=200)))
     for r in rows:
         print(r, flush=True)
     return rows

@@ -133,14 +133,14 @@ def _band_tma_check(device):
 
 
 def _band_dq2_check(device):
-    """The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) against the two
+    """The window's and the compressed branch's dQ in one launch (band_dq2.band_dq2, attempt 82) against the two
     band_bwd dQ calls the model's backward makes otherwise, both adding into a dQ that holds another branch's part:
     pointer loads and descriptors, G = 3 over two KV heads and over one, batch 2, with documents. Against float64:
     the given dQ plus each branch's float64 band-attention dQ (``_naive_band``). Dropping either branch, or the
     dQ already there, fails it by O(1)."""
     import torch
 
-    from nsa_titan.kernels import band, band_bwd, combine
+    from nsa_titan.kernels import band, band_bwd, band_dq2, combine
 
     worst, naive = {}, 0.0
     B, T, D, win, (kstride, koff) = 2, 100, 16, 40, (4, 7)
@@ -161,7 +161,7 @@ def _band_dq2_check(device):
                           parts="dq")
         band_bwd.band_bwd(do, q, kc, vc, o_c, lse_c, kstride, koff, 0, cfg_dq=cfg, delta=d_c, dq_acc=two,
                           doc_start=ds, parts="dq")
-        one = band_bwd.band_dq2(do, q, (kw, vw, lse_w, d_w, 1, 0, win), (kc, vc, lse_c, d_c, kstride, koff, 0),
+        one = band_dq2.band_dq2(do, q, (kw, vw, lse_w, d_w, 1, 0, win), (kc, vc, lse_c, d_c, kstride, koff, 0),
                                 base.clone(), doc_start=ds, cfg=cfg)
         worst[name] = rel_err(one, two)
         want = base.cpu().double()
@@ -170,14 +170,14 @@ def _band_dq2_check(device):
         naive = max(naive, rel_err(one.cpu().double(), want))
     # The model's backward with it switched on (a tuned.py entry): whole attention against the float64 reference.
     model, calls = {}, []
-    fused = band_bwd.band_dq2
-    band_bwd.band_dq2 = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    fused = band_dq2.band_dq2
+    band_dq2.band_dq2 = lambda *a, **kw: calls.append(1) or fused(*a, **kw)
     try:
         for case in (CASES[1], DOC_CASES[1]):  # G 2 with Dk != Dv; G 6 over two KV heads with documents
             with _tuned_entry("band_dq2", case, dict(rows=16, BK=16, num_warps=4, num_stages=1)):
                 model[case[0]] = run_case(case, device)
     finally:
-        band_bwd.band_dq2 = fused
+        band_dq2.band_dq2 = fused
     # fp32 on both paths; the fused one adds the two branches before the given dQ (one rounding fewer)
     return {"ok": max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"]) and naive < TOL["float32"]
             and len(calls) >= len(model) and all(r["ok"] for r in model.values()),
@@ -195,7 +195,7 @@ def _band_dq2_partials_check(device):
     partials); there the sum kernel must not run. Dropping the partials fails it by O(1)."""
     import torch
 
-    from nsa_titan.kernels import band, band_bwd, combine, selected_bwd
+    from nsa_titan.kernels import band, band_dq2, combine, selected_bwd
 
     worst = {}
     cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1)
@@ -209,25 +209,25 @@ def _band_dq2_partials_check(device):
         a = dict(algo="partials", partial_bits=bits)
         args = (do, q, x["ks"], x["vs"], x["o"], x["lse"], x["idx"], p.slc_block)
         dq, dk, dv = selected_bwd.sel_bwd(*args, cfg_dq=a, doc_start=doc)
-        want = band_bwd.band_dq2(do, q, *branches, dq, doc_start=doc, cfg=cfg)
+        want = band_dq2.band_dq2(do, q, *branches, dq, doc_start=doc, cfg=cfg)
         _, dk2, dv2, parts = selected_bwd.sel_bwd_parts(*args, cfg_dq=a, doc_start=doc, sum_dq=False)
         assert parts[0].dtype == (torch.float32 if bits == 32 else q.dtype)
-        got = band_bwd.band_dq2(do, q, *branches, torch.full_like(q, float("nan")), doc_start=doc, cfg=cfg,
+        got = band_dq2.band_dq2(do, q, *branches, torch.full_like(q, float("nan")), doc_start=doc, cfg=cfg,
                                 dq_partials=parts, acc=False)
-        without = band_bwd.band_dq2(do, q, *branches, torch.zeros_like(q), doc_start=doc, cfg=cfg)
+        without = band_dq2.band_dq2(do, q, *branches, torch.zeros_like(q), doc_start=doc, cfg=cfg)
         worst[f"{case[0]}_{bits}"] = rel_err(got, want)
         worst[f"{case[0]}_{bits}_dkdv"] = max(rel_err(dk2, dk), rel_err(dv2, dv))
         worst[f"{case[0]}_{bits}_without"] = -rel_err(without, want)  # must be far from 0 (negated: max below)
     model, fused_calls, sums = {}, [], []
-    dq2, dq_sum = band_bwd.band_dq2, selected_bwd.sel_dq_sum
-    band_bwd.band_dq2 = lambda *a, **kw: (fused_calls.append(kw.get("dq_partials") is not None), dq2(*a, **kw))[1]
+    dq2, dq_sum = band_dq2.band_dq2, selected_bwd.sel_dq_sum
+    band_dq2.band_dq2 = lambda *a, **kw: (fused_calls.append(kw.get("dq_partials") is not None), dq2(*a, **kw))[1]
     selected_bwd.sel_dq_sum = lambda *a, **kw: (sums.append(1), dq_sum(*a, **kw))[1]
     try:
         for case in (DOC_CASES[1], PREFIX_CASES[0]):  # G 6 over two KV heads: documents; a causal prefix of 48
             with _tuned_entry("band_dq2", case, cfg), _tuned_entry("sel_dq", case, dict(algo="partials")):
                 model[case[0]] = run_case(case, device)
     finally:
-        band_bwd.band_dq2, selected_bwd.sel_dq_sum = dq2, dq_sum
+        band_dq2.band_dq2, selected_bwd.sel_dq_sum = dq2, dq_sum
     tol = {k: 2e-3 if k.startswith(CASES[5][0]) else 1e-5 if device == "cpu" else TOL["float32"] for k in worst}
     unit_ok = all(w < tol[k] for k, w in worst.items() if not k.endswith("without")) and all(
         -w > 0.1 for k, w in worst.items() if k.endswith("without"))

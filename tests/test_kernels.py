@@ -217,16 +217,16 @@ def test_sel_dq_cfg_with_the_removed_pairs_key_is_refused_before_launching():
 
 
 def test_band_dq2_refuses_a_second_branch_without_keys():
-    """band_bwd.band_dq2 (two branches' dQ in one launch) needs keys in its second branch; with none (T shorter
+    """band_dq2.band_dq2 (two branches' dQ in one launch) needs keys in its second branch; with none (T shorter
     than one compression block) it names the one-branch call to make instead, before any launch."""
     pytest.importorskip("triton")
     import torch
 
-    from nsa_titan.kernels import band_bwd
+    from nsa_titan.kernels import band_dq2
 
     q, k, lse = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 2)
     with pytest.raises(ValueError, match="parts='dq'"):
-        band_bwd.band_dq2(q, q, (k, k, lse, lse, 1, 0, 4), (k[:, :0], k[:, :0], lse, lse, 4, 7, 0), q.clone())
+        band_dq2.band_dq2(q, q, (k, k, lse, lse, 1, 0, 4), (k[:, :0], k[:, :0], lse, lse, 4, 7, 0), q.clone())
 
 
 def test_band_dq2_takes_its_many_keys_shape_from_the_named_key_count():
@@ -234,7 +234,7 @@ def test_band_dq2_takes_its_many_keys_shape_from_the_named_key_count():
     stride 16); below the count, or without one, the entry's own shape (None) applies, and the count itself is not
     a launch parameter."""
     pytest.importorskip("triton")
-    from nsa_titan.kernels.band_bwd import many_keys_shape
+    from nsa_titan.kernels.band_dq2 import many_keys_shape
     from nsa_titan.kernels.tuned import TUNED
 
     entry = dict(rows=64, BK=32, many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4))

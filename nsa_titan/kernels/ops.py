@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from nsa_titan.kernels import band, band_bwd, combine, select, selected, selected_bwd
+from nsa_titan.kernels import band, band_bwd, band_dq2, combine, select, selected, selected_bwd
 from nsa_titan.kernels.selected_blocks import pair_key_dtype
 
 
@@ -199,7 +199,7 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
             band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
                           doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp))
     prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
-    dq2 = k_cmp.shape[1] and band_bwd.dq2_enabled(q.shape[2] // k_win.shape[2], max(q.shape[-1], v_win.shape[-1]))
+    dq2 = k_cmp.shape[1] and band_dq2.dq2_enabled(q.shape[2] // k_win.shape[2], max(q.shape[-1], v_win.shape[-1]))
     parts = None  # the selected branch's dQ partials, left for band_dq2 to add (attempt 88)
     if prefix == t:
         dq, dk_slc, dv_slc = band_bwd.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
@@ -216,7 +216,7 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
     if dq2:
-        band_bwd.band_dq2(dout, q, (k_win, v_win, lse_win, delta[2], 1, 0, window),
+        band_dq2.band_dq2(dout, q, (k_win, v_win, lse_win, delta[2], 1, 0, window),
                           (k_cmp, v_cmp, lse_cmp, delta[0], cmp_stride, cmp_block - 1, 0), dq, doc_start=doc_start,
                           dq_partials=parts, acc=parts is None or prefix > 0)
     else:

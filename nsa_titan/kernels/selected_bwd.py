@@ -13,7 +13,7 @@ dQ, three ways: recomputed per token (one program per (token, batch, KV head) wi
 forward), dS K from the dS the dK/dV walk stores (both in selected_dq.py, each also for NT neighbouring tokens
 as one tile over their blocks' union), or (small groups at head dim <= l') the sum of per-(token, slot) partials
 dS K that the dK/dV walk computes with the K block it holds (summed by selected_blocks.sel_dq_sum, or in the
-model's backward by band_bwd.band_dq2 together with the window's and the compressed branch's dQ: sel_bwd_parts).
+model's backward by band_dq2.band_dq2 together with the window's and the compressed branch's dQ: sel_bwd_parts).
 
 Document masking (DOC, DS = doc_start [B, T] int32): keys before the token's document are masked.
 """
@@ -196,7 +196,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
                   cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, keys=None,
                   dq_buffer_bytes: int | None = None, sum_dq: bool = True):
     """sel_bwd -> (dq, dk, dv, partials). With ``sum_dq`` False and dQ as per-(token, slot) partials (selected._cfg's
-    'partials'), the partials are not summed here: ``partials`` is (dqp, block_idx), for band_bwd.band_dq2 to add
+    'partials'), the partials are not summed here: ``partials`` is (dqp, block_idx), for band_dq2.band_dq2 to add
     in its pass (attempt 88), and ``dq`` holds nothing of this branch (dq_acc unchanged, or uninitialised). Else
     ``partials`` is None and dq is complete."""
     B, T, HQ, DK = q.shape

@@ -130,7 +130,7 @@ TUNED: dict[tuple, dict] = {
     # (sweep_selected_dqtok_rc_s20b_*) 1b 8k 1.92 -> 1.74, 32k 7.86 -> 8.21, paper 8k 7.35 -> 6.56, 32k 32.2 -> 33.0.
     ("sel_dq", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=2),
     ("sel_dq", 8, 128, False): dict(tma=True),
-    # The window's and the compressed branch's dQ in one launch (band_bwd.band_dq2, attempt 82) since the twenty-
+    # The window's and the compressed branch's dQ in one launch (band_dq2.band_dq2, attempt 82) since the twenty-
     # first session. H100, batch 2, two band_bwd calls -> one (sweep_band_dq2_*_s21): 1b 8k 0.524 -> 0.416 ms,
     # 16k 1.133 -> 0.970, 32k 2.747 -> 2.544 (many_keys); paper 8k 1.972 -> 1.578, 16k 4.366 -> 4.005, 32k 11.58 ->
     # 10.15 (many_keys); 1b 64k batch 1 3.867 -> 3.833 (many_keys); m7c 8k 0.321 -> 0.169, 32k 1.030 -> 1.024.
