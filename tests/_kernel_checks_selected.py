@@ -332,11 +332,12 @@ def _pair_sort_check(device):
     selections with unused slots (one block, a few, many) with one chunk per row and with 16-pair chunks (several
     per row, T*n not a multiple of them), the selected cases' own selections, and the whole attention with the
     counting sort as the default (G 6 block-centric, whose forward sorts; G 2, whose backward does) against
-    float64."""
+    float64. Past pair_sort.MAX_BINS buckets the default is the radix sort (2047 blocks: 4096 bins), below it the
+    counting sort (2046 blocks: 2048 bins)."""
     import torch
 
     from nsa_titan.kernels import pair_sort
-    from nsa_titan.kernels.selected_blocks import sorted_pair_keys
+    from nsa_titan.kernels.selected_blocks import pair_keys, sorted_pair_keys
 
     bad, sels = [], []
     for B, HKV, T, n, nb, seed in ((1, 1, 5, 3, 1, 0), (2, 2, 37, 4, 5, 1), (1, 2, 300, 5, 40, 2)):
@@ -353,6 +354,17 @@ def _pair_sort_check(device):
                     if not torch.equal(sorted_pair_keys(idx, nb, "counting"), sorted_pair_keys(idx, nb, "radix"))]
     finally:
         pair_sort.CHUNK = chunk
+    # More buckets than pair_sort.MAX_BINS (a 4096-bin histogram spills on sm_90): the default sorts by radix there,
+    # with the same keys (the spec, pair_keys), and the counting kernel is not launched.
+    big = torch.randint(-1, 2047, (1, 2, 9, 3), generator=torch.Generator().manual_seed(3)).to(device)
+    counting, calls = pair_sort.counting_sort_pair_keys, []
+    pair_sort.counting_sort_pair_keys = lambda *a: calls.append(1) or counting(*a)
+    try:
+        radix_past_bins = torch.equal(sorted_pair_keys(big, 2047), pair_keys(big, 2047)[0]) and not calls
+        radix_past_bins = radix_past_bins and torch.equal(sorted_pair_keys(big[..., :2] % 2046, 2046),
+                                                          pair_keys(big[..., :2] % 2046, 2046)[0]) and len(calls) == 1
+    finally:
+        pair_sort.counting_sort_pair_keys = counting
     method, model = pair_sort.METHOD, {}
     pair_sort.METHOD = "counting"
     try:
@@ -361,5 +373,6 @@ def _pair_sort_check(device):
                 model[case[0]] = run_case(case, device)
     finally:
         pair_sort.METHOD = method
-    return {"ok": not bad and len(sels) >= 3 + len(CASES) + len(DOC_CASES) - 1 and all(r["ok"] for r in model.values()),
-            "mismatch": bad, "selections": len(sels), "model": {k: r["worst"] for k, r in model.items()}}
+    return {"ok": not bad and len(sels) >= 3 + len(CASES) + len(DOC_CASES) - 1 and all(r["ok"] for r in model.values())
+            and radix_past_bins, "mismatch": bad, "selections": len(sels), "radix_past_bins": radix_past_bins,
+            "model": {k: r["worst"] for k, r in model.items()}}

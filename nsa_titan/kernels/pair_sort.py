@@ -31,6 +31,10 @@ CHUNK = 1024  # pairs per program: counts has NB + 1 entries per chunk, so fewer
 # selected_blocks.sorted_pair_keys' default since the twenty-second session's H100 A/B (NOTES_kernels.md, attempt 86:
 # the whole m7c at 8k +3 %, the 1b +0.5 %); "radix" (torch.sort) stays for comparisons and the check.
 METHOD = "counting"
+# The most histogram bins (NB + 2, to a power of 2) the count kernel takes by default: sm_90 offline (Triton 3.6), 2048
+# bins use 127 registers, 4096 spill 288 bytes, 8192 6.5 KB. Past it selected_blocks.sorted_pair_keys sorts by radix
+# (the 1b beyond 128k tokens; the chunked block forward's virtual blocks, attempt 92).
+MAX_BINS = 2048
 
 
 @triton.jit

@@ -321,11 +321,13 @@ def num_chunk_programs(tn: int, nb: int, bt: int) -> int:
 
 
 def sorted_pair_keys(block_idx: torch.Tensor, nb: int, method: str | None = None) -> torch.Tensor:
-    """``pair_keys``'s sorted keys, by ``method`` (default pair_sort.METHOD): "radix" (one Triton kernel builds
-    them, torch.sort orders them) or "counting" (pair_sort.py: the same keys)."""
+    """``pair_keys``'s sorted keys, by ``method`` (default pair_sort.METHOD, or "radix" past pair_sort.MAX_BINS
+    buckets): "radix" (one Triton kernel builds them, torch.sort orders them) or "counting" (pair_sort.py: the same
+    keys)."""
     B, HKV, T, n = block_idx.shape
     tn = T * n
-    method = pair_sort.METHOD if method is None else method
+    if method is None:
+        method = pair_sort.METHOD if pow2(nb + 2) <= pair_sort.MAX_BINS else "radix"
     if method == "counting":
         return pair_sort.counting_sort_pair_keys(block_idx, nb, pair_key_dtype(nb, tn))
     if method != "radix":
