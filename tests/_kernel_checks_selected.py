@@ -313,7 +313,7 @@ def _pair_table_check(device):
     blocks of exactly two chunks)."""
     import torch
 
-    from nsa_titan.kernels.selected_blocks import block_pairs, block_pairs_reference
+    from nsa_titan.kernels.pair_sort import block_pairs, block_pairs_reference
 
     bad = []
     for B, HKV, T, n, nb, seed in ((1, 1, 5, 3, 1, 0), (2, 2, 37, 4, 5, 1), (1, 2, 300, 5, 40, 2)):
@@ -337,7 +337,7 @@ def _pair_sort_check(device):
     import torch
 
     from nsa_titan.kernels import pair_sort
-    from nsa_titan.kernels.selected_blocks import pair_keys, sorted_pair_keys
+    from nsa_titan.kernels.pair_sort import pair_keys, sorted_pair_keys
 
     bad, sels = [], []
     for B, HKV, T, n, nb, seed in ((1, 1, 5, 3, 1, 0), (2, 2, 37, 4, 5, 1), (1, 2, 300, 5, 40, 2)):

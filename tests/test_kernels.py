@@ -92,7 +92,7 @@ def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
     int64 from T = 92.7k on (l' = 64, n = 16); the same sorted keys and block ranges either way."""
     import torch
 
-    from nsa_titan.kernels.selected_blocks import pair_keys
+    from nsa_titan.kernels.pair_sort import pair_keys
 
     n, lp = 16, 64
     for T, dtype in ((1000, torch.int32), (92600, torch.int32), (92800, torch.int64)):

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from nsa_titan.kernels import band, band_bwd, band_dq2, combine, select, selected, selected_bwd
-from nsa_titan.kernels.selected_blocks import pair_key_dtype
+from nsa_titan.kernels.pair_sort import pair_key_dtype
 
 
 def _c(x: Tensor) -> Tensor:

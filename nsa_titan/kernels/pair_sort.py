@@ -1,7 +1,16 @@
-"""The selected branch's (block, token, slot) pair keys sorted by block: a counting sort (attempt 86).
+"""The selected branch's (block, token, slot) pair keys sorted by block, and the tables that give every program of the
+block-centric kernels its block and chunk (selected_blocks' forward, selected_bwd's dK/dV walk).
+
+Scheduling without host syncs: each block's pairs are cut into ceil(count / BT) chunks; a prefix sum gives every
+program its (block, chunk) through a static-size table of ceil(T * n / BT) + NB programs, the spare ones exit at
+once. Two Triton kernels per table (``_pair_table``, ``_pair_prog``) do the searches and prefix sums that took ~20
+small torch ops (H100, m7c at 8k: 123 -> 46 launches per forward+backward, host time 3.7 -> 2.9 ms). The spec of
+the tables is ``block_pairs_reference`` (torch).
+
+The sort: a counting sort (attempt 86).
 
 The dK/dV walk and the block-centric forward visit each KV block's list of the (token, slot) pairs that chose it,
-in token order: the keys block * T*n + t*n + slot of every row of block_idx, sorted (selected_blocks.pair_keys is
+in token order: the keys block * T*n + t*n + slot of every row of block_idx, sorted (pair_keys is
 the spec). torch.sort is a radix sort over all the key's bits (4 passes over int32 keys plus its histogram and
 scan kernels: ~0.055 ms for the 1b's 262k keys at 8k batch 2 on an H100), although only the block is out of
 order: the pairs arrive in (t, slot) order already. A stable counting sort by block gives the same keys:
@@ -28,11 +37,11 @@ import triton.language as tl
 from nsa_titan.kernels.combine import pow2
 
 CHUNK = 1024  # pairs per program: counts has NB + 1 entries per chunk, so fewer chunks keep its scan small
-# selected_blocks.sorted_pair_keys' default since the twenty-second session's H100 A/B (NOTES_kernels.md, attempt 86:
+# sorted_pair_keys' default since the twenty-second session's H100 A/B (NOTES_kernels.md, attempt 86:
 # the whole m7c at 8k +3 %, the 1b +0.5 %); "radix" (torch.sort) stays for comparisons and the check.
 METHOD = "counting"
 # The most histogram bins (NB + 2, to a power of 2) the count kernel takes by default: sm_90 offline (Triton 3.6), 2048
-# bins use 127 registers, 4096 spill 288 bytes, 8192 6.5 KB. Past it selected_blocks.sorted_pair_keys sorts by radix
+# bins use 127 registers, 4096 spill 288 bytes, 8192 6.5 KB. Past it sorted_pair_keys sorts by radix
 # (the 1b beyond 128k tokens; the chunked block forward's virtual blocks, attempt 92).
 MAX_BINS = 2048
 
@@ -83,7 +92,7 @@ def _pair_scatter(IDX, COUNTS, CSUM, KEYS, TN, NB, NCHUNK, CH: tl.constexpr):
 
 def counting_sort_pair_keys(block_idx: torch.Tensor, nb: int, dtype: torch.dtype) -> torch.Tensor:
     """block_idx [B, HKV, T, n] (int64, -1 unused) -> the sorted pair keys [B*HKV, T*n] in ``dtype``
-    (selected_blocks.pair_keys' keys)."""
+    (pair_keys' keys)."""
     B, HKV, T, n = block_idx.shape
     tn, rows = T * n, B * HKV
     idx = block_idx.contiguous()
@@ -96,3 +105,146 @@ def counting_sort_pair_keys(block_idx: torch.Tensor, nb: int, dtype: torch.dtype
     keys = torch.empty(rows, tn, device=idx.device, dtype=dtype)
     _pair_scatter[(nchunk, rows)](idx, counts, csum, keys, tn, nb, nchunk, CH=ch, num_warps=4)
     return keys
+
+
+@triton.jit
+def _pair_keys_kernel(IDX, KEYS, TN, NB, BLOCK: tl.constexpr):
+    """keys[row, i] = block * T*n + i for pair i = t*n + slot of block_idx row (b, kv); unused slots NB * T*n."""
+    pid, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    m = i < TN
+    blk = tl.load(IDX + row * TN + i, mask=m, other=-1).to(tl.int64)
+    key = tl.where(blk >= 0, blk, blk * 0 + NB) * TN + tl.where(blk >= 0, i, 0)
+    tl.store(KEYS + row * TN + i, key.to(KEYS.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _lower_bound(keys, target, zero, n, STEPS: tl.constexpr):
+    """Per lane: the first index i in [0, n) of the ascending keys with keys[i] >= target (n if none)."""
+    lo = zero
+    hi = zero + n
+    for _ in range(STEPS):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(keys + mid, mask=act, other=0)
+        go = act & (v < target)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where(act & (v >= target), mid, hi)
+    return lo
+
+
+@triton.jit
+def _pair_table(KEYS, OFF, COFF, POFF, TN, NB, CH, LOGK: tl.constexpr, BB: tl.constexpr):
+    """One program per (b, kv) row of the sorted keys: off (each block's first pair: a lower-bound binary search
+    for block * T*n), coff (each block's first chunk of CH pairs, a running prefix sum) and poff (the same over the
+    blocks cut into several chunks: their partial slots); _pair_prog then gives every program its block. The two
+    replace ~20 small torch ops per table."""
+    row = tl.program_id(0).to(tl.int64)
+    keys = KEYS + row * TN
+    tab = row * (NB + 1)
+    zero = tl.arange(0, BB) * 0
+    carry_c = tl.sum(zero, 0)
+    carry_p = tl.sum(zero, 0)
+    for j0 in range(0, NB + 1, BB):
+        j = j0 + tl.arange(0, BB)
+        lo_j = _lower_bound(keys, j.to(tl.int64) * TN, zero, TN, LOGK)
+        lo_next = _lower_bound(keys, (j + 1).to(tl.int64) * TN, zero, TN, LOGK)
+        tl.store(OFF + tab + j, lo_j, mask=j <= NB)
+        chunks = tl.where(j < NB, (lo_next - lo_j + CH - 1) // CH, 0)
+        parts = tl.where(chunks > 1, chunks, 0)
+        tl.store(COFF + tab + 1 + j, carry_c + tl.cumsum(chunks, 0), mask=j < NB)
+        tl.store(POFF + tab + 1 + j, carry_p + tl.cumsum(parts, 0), mask=j < NB)
+        carry_c += tl.sum(chunks, 0)
+        carry_p += tl.sum(parts, 0)
+    first = tl.arange(0, BB) == 0
+    tl.store(COFF + tab + zero, zero, mask=first)
+    tl.store(POFF + tab + zero, zero, mask=first)
+
+
+@triton.jit
+def _pair_prog(COFF, PROG, NB, NCH, LOGB: tl.constexpr, BB: tl.constexpr):
+    """prog for BB program ids of one (b, kv) row: the block of each (NB for spare programs), a binary search in
+    coff. Its own grid: in _pair_table's one program per row these searches ran ~NCH/BB steps in series (m7c at
+    32k batch 1: two programs, ~0.06 ms per table on an H100)."""
+    pb, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    p = pb * BB + tl.arange(0, BB)
+    zero = tl.arange(0, BB) * 0
+    # prog = the number of blocks whose chunks all start at or before p: coff[1 + i] > p first fails there
+    lo = _lower_bound(COFF + row * (NB + 1) + 1, p + 1, zero, NB, LOGB)
+    tl.store(PROG + row * NCH + p, lo, mask=p < NCH)
+
+
+def pair_key_dtype(nb: int, tn: int) -> torch.dtype:
+    """int32 keys while (nb + 1) * T*n fits (T below ~92.7k at l' = 64, n = 16): the radix sort then makes 4
+    passes instead of 8 (16 of the m7c layer's kernel launches at 8k were int64 sort passes, 0.24 ms)."""
+    return torch.int32 if (nb + 1) * tn < 2**31 else torch.int64
+
+
+def pair_keys(block_idx: torch.Tensor, nb: int):
+    """The spec of the pair tables, in torch (tests hold the Triton path to it): block_idx [B, HKV, T, n] ->
+    keys [B*HKV, T*n]: block * T*n + t*n + slot sorted (unused slots last, as nb * T*n), and off [B*HKV, NB+1]
+    int64: each block's range in keys."""
+    B, HKV, T, n = block_idx.shape
+    dev = block_idx.device
+    tn = T * n
+    kdt = pair_key_dtype(nb, tn)
+    pos = torch.arange(tn, device=dev).view(1, 1, T, n)  # t * n + slot
+    keys = torch.where(block_idx >= 0, block_idx * tn + pos, nb * tn).view(B * HKV, tn).to(kdt)
+    keys = torch.sort(keys, dim=-1).values
+    bounds = (torch.arange(nb + 1, device=dev, dtype=kdt) * tn).expand(B * HKV, nb + 1).contiguous()
+    return keys, torch.searchsorted(keys, bounds)
+
+
+def block_pairs_reference(block_idx: torch.Tensor, nb: int, bt: int):
+    """``pair_keys`` and the chunk tables in torch: off, coff [B*HKV, NB+1] (each block's first chunk of bt
+    pairs), poff [B*HKV, NB+1] (each block's first partial slot, counting only blocks of several chunks) and
+    prog [B*HKV, NCH] (the block of every program; NB for spare ones), all int32."""
+    B, HKV, T, n = block_idx.shape
+    tn = T * n
+    keys, off = pair_keys(block_idx, nb)
+    chunks = (off[:, 1:] - off[:, :-1] + bt - 1) // bt
+    coff = torch.nn.functional.pad(torch.cumsum(chunks, -1), (1, 0))
+    poff = torch.nn.functional.pad(torch.cumsum(torch.where(chunks > 1, chunks, 0), -1), (1, 0))
+    nch = num_chunk_programs(tn, nb, bt)
+    progs = torch.arange(nch, device=block_idx.device).expand(B * HKV, nch).contiguous()
+    prog = torch.searchsorted(coff[:, 1:].contiguous(), progs, right=True)  # nb once past the last chunk
+    return keys, *(x.to(torch.int32) for x in (off, coff, poff, prog))
+
+
+def num_chunk_programs(tn: int, nb: int, bt: int) -> int:
+    """Every chunk but one per block is full: an upper bound on the chunks of bt pairs."""
+    return -(-tn // bt) + nb
+
+
+def sorted_pair_keys(block_idx: torch.Tensor, nb: int, method: str | None = None) -> torch.Tensor:
+    """``pair_keys``'s sorted keys, by ``method`` (default METHOD, or "radix" past MAX_BINS buckets): "radix" (one
+    Triton kernel builds them, torch.sort orders them) or "counting" (counting_sort_pair_keys: the same keys)."""
+    B, HKV, T, n = block_idx.shape
+    tn = T * n
+    if method is None:
+        method = METHOD if pow2(nb + 2) <= MAX_BINS else "radix"
+    if method == "counting":
+        return counting_sort_pair_keys(block_idx, nb, pair_key_dtype(nb, tn))
+    if method != "radix":
+        raise ValueError(f"sorted_pair_keys method={method!r}: use 'radix' or 'counting'")
+    keys = torch.empty(B * HKV, tn, device=block_idx.device, dtype=pair_key_dtype(nb, tn))
+    blk = 1024
+    _pair_keys_kernel[(triton.cdiv(tn, blk), B * HKV)](block_idx, keys, tn, nb, BLOCK=blk, num_warps=4)
+    return torch.sort(keys, dim=-1).values
+
+
+def block_pairs(block_idx: torch.Tensor, nb: int, bt: int, keys: torch.Tensor | None = None):
+    """``block_pairs_reference``'s (keys, off, coff, poff, prog) with one Triton kernel for the tables; ``keys``:
+    the sorted keys when a caller already has them (the backward reuses the block-centric forward's)."""
+    B, HKV, T, n = block_idx.shape
+    tn = T * n
+    if keys is None:
+        keys = sorted_pair_keys(block_idx, nb)
+    nch = num_chunk_programs(tn, nb, bt)
+    dev = block_idx.device
+    off, coff, poff = (torch.empty(B * HKV, nb + 1, device=dev, dtype=torch.int32) for _ in range(3))
+    prog = torch.empty(B * HKV, nch, device=dev, dtype=torch.int32)
+    bb = 256 if dev.type == "cuda" else 64
+    _pair_table[(B * HKV,)](keys, off, coff, poff, tn, nb, bt, LOGK=tn.bit_length(), BB=bb, num_warps=4)
+    _pair_prog[(triton.cdiv(nch, bb), B * HKV)](coff, prog, nb, nch, LOGB=nb.bit_length(), BB=bb, num_warps=4)
+    return keys, off, coff, poff, prog

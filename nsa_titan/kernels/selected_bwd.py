@@ -1,7 +1,7 @@
 """Selected-block attention backward in Triton (the forward and the launch configuration are in selected.py).
 
 dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted by block
-(selected_blocks.block_pairs: one key kernel, one torch.sort, one table kernel; static shapes, no host sync;
+(pair_sort.block_pairs: one key kernel, one torch.sort, one table kernel; static shapes, no host sync;
 the block-centric forward's sorted keys are reused when it ran), which gives for every block the
 ascending list of tokens that selected it. Every list is cut into chunks of at most CH pairs and one program
 takes one chunk (a static-size chunk table; spare programs exit). A block with one chunk writes its dK/dV rows
@@ -26,8 +26,9 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
+from nsa_titan.kernels.pair_sort import block_pairs
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
-from nsa_titan.kernels.selected_blocks import block_pairs, load_kv_rows, sel_dq_sum, slot_row
+from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_dq_sum, slot_row
 from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_tokens, _sel_bwd_dq_tokens
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
@@ -94,7 +95,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
                   STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
-    selected_blocks.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
+    pair_sort.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
     STORE_DS: also store every pair's dS (bf16, the MMA operand dQ needs) to DSB [B, HKV, T, n, G, LP].
     STORE_DQ: also store every pair's dQ over this block, dS K (unscaled), to DQP [B, T, HKV, n, G, DK], which
