@@ -1,7 +1,7 @@
 """Selected-block attention backward in Triton (the forward and the launch configuration are in selected.py).
 
 dK/dV without atomics: the (block, token, slot) triples of block_idx are sorted by block
-(pair_sort.block_pairs: one key kernel, one torch.sort, one table kernel; static shapes, no host sync;
+(pair_sort.block_pairs: a counting sort of the keys and two table kernels; static shapes, no host sync;
 the block-centric forward's sorted keys are reused when it ran), which gives for every block the
 ascending list of tokens that selected it. Every list is cut into chunks of at most CH pairs and one program
 takes one chunk (a static-size chunk table; spare programs exit). A block with one chunk writes its dK/dV rows
