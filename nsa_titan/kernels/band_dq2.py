@@ -11,7 +11,7 @@ import triton.language as tl
 from nsa_titan.kernels.band import LOG2E, _launch, launch_cfg
 from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq
 from nsa_titan.kernels.combine import pow2
-from nsa_titan.kernels.selected_blocks import slot_row
+from nsa_titan.kernels.selected_blocks import used_slots
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
@@ -20,15 +20,12 @@ from nsa_titan.kernels.tuned import TUNED
 def add_slot_partials(dq, DQP, IDX, b, kv, t, g, row_ok, dk, T, HKV, G: tl.constexpr, NSEL: tl.constexpr,
                       DK: tl.constexpr, SG: tl.constexpr):
     """dq [rows, DKP] (fp32) plus, per row (token t, head g of KV head kv), its dQ partials over the token's used
-    slots (IDX [B, HKV, T, n] >= 0) from DQP [B, T, HKV, n, G, DK] (selected_blocks.slot_row's layout; unused
+    slots (IDX [B, HKV, T, n] >= 0) from DQP [B, T, HKV, n, G, DK] (selected_blocks.used_slots; unused
     slots were never written). SG slots per load, groups added in slot order: a fixed order, deterministic."""
     for s0 in range(0, NSEL, SG):
-        s = s0 + tl.arange(0, SG)
-        ok = row_ok[:, None] & (s[None, :] < NSEL)
-        used = tl.load(IDX + ((b * HKV + kv) * T + t)[:, None] * NSEL + s[None, :], mask=ok, other=-1) >= 0
-        prow = slot_row(b, t[:, None], kv, s[None, :], g[:, None], T, HKV, G, NSEL)
+        used, prow = used_slots(IDX, b, kv, t, g, row_ok, s0 + tl.arange(0, SG), T, HKV, G, NSEL)
         part = tl.load(DQP + prow[:, :, None] * DK + dk[None, None, :],
-                       mask=(used & ok)[:, :, None] & (dk[None, None, :] < DK), other=0.0)
+                       mask=used[:, :, None] & (dk[None, None, :] < DK), other=0.0)
         dq += tl.sum(part.to(tl.float32), 1)
     return dq
 

@@ -151,11 +151,17 @@ def _slot_tiles(IDX, T, G, HKV, NSEL: tl.constexpr, NP: tl.constexpr, BT: tl.con
     [rows, NP] partial-buffer rows and whether each slot holds a block; loading every slot in one go keeps all
     of a program's loads in flight (a loop over the slots waited for each slot's loads in turn)."""
     b, kv, t, g, row_ok = _slot_rows(T, G, HKV, BT, GP)
-    s = tl.arange(0, NP)
-    ok2 = row_ok[:, None] & (s[None, :] < NSEL)
-    used = tl.load(IDX + ((b * HKV + kv) * T + t)[:, None] * NSEL + s[None, :], mask=ok2, other=-1) >= 0
-    prow = slot_row(b, t[:, None], kv, s[None, :], g[:, None], T, HKV, G, NSEL)
-    return b, kv, t, g, row_ok, used & ok2, prow
+    used, prow = used_slots(IDX, b, kv, t, g, row_ok, tl.arange(0, NP), T, HKV, G, NSEL)
+    return b, kv, t, g, row_ok, used, prow
+
+
+@triton.jit
+def used_slots(IDX, b, kv, t, g, row_ok, s, T, HKV, G, NSEL: tl.constexpr):
+    """For rows (batch b, token t, KV head kv, head g) and slots s: [rows, len(s)] whether the slot holds a block
+    (IDX [B, HKV, T, n] >= 0, valid rows and slots < n only) and its row in the per-(token, slot) partial buffers."""
+    ok = row_ok[:, None] & (s[None, :] < NSEL)
+    used = tl.load(IDX + ((b * HKV + kv) * T + t)[:, None] * NSEL + s[None, :], mask=ok, other=-1) >= 0
+    return used & ok, slot_row(b, t[:, None], kv, s[None, :], g[:, None], T, HKV, G, NSEL)
 
 
 @triton.jit
