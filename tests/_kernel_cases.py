@@ -62,11 +62,10 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def run_case(case, device):
+def case_inputs(case, device):
+    """-> (params, documents or None, causal prefix, the attention's 8 inputs, dout) of a case, seeded by its name."""
     import torch
 
-    from nsa_titan.kernels import nsa_attention
-    from nsa_titan.models.nsa import reference, torch_impl
     from nsa_titan.models.nsa.common import NSAParams
 
     name, B, T, HQ, HKV, DK, DV, geo, dt = case[:9]
@@ -83,7 +82,38 @@ def run_case(case, device):
     ins = [rnd(B, T, HQ, DK), rnd(B, tc, HKV, DK), rnd(B, tc, HKV, DV), rnd(B, T, HKV, DK), rnd(B, T, HKV, DV),
            rnd(B, T, HKV, DK), rnd(B, T, HKV, DV),
            torch.rand(B, T, HQ, 3, generator=gen).to(device)]
-    dout = rnd(B, T, HQ, DV)
+    return p, doc, prefix, ins, rnd(B, T, HQ, DV)
+
+
+def fake_outputs_match(case, device) -> dict:
+    """nsa_fwd's fake implementation (the shapes and dtypes torch.compile plans its buffers with) against the real
+    op's outputs for a case, under whatever tuned entries are set: a mismatch fails only inside a compiled model
+    (inductor's assert_size_stride), which the interpreter checks do not run."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nsa_titan.kernels import ops  # noqa: F401  (registers torch.ops.nsa_titan)
+
+    p, doc, prefix, ins, _ = case_inputs(case, device)
+    doc = None if doc is None else doc.to(torch.int32).contiguous()
+    args = (p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, p.window)
+    real = torch.ops.nsa_titan.nsa_fwd(*ins, *args, doc, prefix)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.nsa_titan.nsa_fwd(*(mode.from_tensor(x) for x in ins), *args,
+                                           None if doc is None else mode.from_tensor(doc), prefix)
+    shapes = [(tuple(a.shape), a.dtype, tuple(b.shape), b.dtype) for a, b in zip(real, fake)]
+    return {"ok": len(real) == len(fake) and all(a == c and b == d for a, b, c, d in shapes),
+            "real_keys": shapes[-1][0], "fake_keys": shapes[-1][2]}
+
+
+def run_case(case, device):
+    import torch
+
+    from nsa_titan.kernels import nsa_attention
+    from nsa_titan.models.nsa import reference, torch_impl
+
+    T, dt = case[2], case[8]
+    p, doc, prefix, ins, dout = case_inputs(case, device)
     errs = {}
 
     def run(fn, xs):

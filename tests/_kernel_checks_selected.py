@@ -11,6 +11,7 @@ from _kernel_cases import (
     _sel_inputs,
     _tuned_entry,
     doc_starts,
+    fake_outputs_match,
     rel_err,
     run_case,
 )
@@ -90,10 +91,15 @@ def _blocks_chunked_check(device):
     try:
         with _tuned_entry("sel_fwd", CHUNK_CASE, dict(algo="blocks", rows=16, tiles=2, chunk_tokens=64)):
             model = run_case(CHUNK_CASE, device)
+            fake = {"chunked": fake_outputs_match(CHUNK_CASE, device)}  # no keys handed on: fake and real agree
     finally:
         selected.sel_fwd_blocks = blocks_fwd
-    return {"ok": bool(same and mixed == 0.0 and model["ok"] and chunked_runs and all(chunked_runs)), "same": res,
-            "mix": mixed, "model": model["worst"], "chunked_runs": len(chunked_runs)}
+    with _tuned_entry("sel_fwd", CHUNK_CASE, dict(algo="blocks", rows=16, tiles=2)):
+        fake["one_launch"] = fake_outputs_match(CHUNK_CASE, device)  # the sorted keys handed on
+    keys_ok = fake["chunked"]["real_keys"] == (0,) and fake["one_launch"]["real_keys"] != (0,)
+    return {"ok": bool(same and mixed == 0.0 and model["ok"] and chunked_runs and all(chunked_runs) and keys_ok
+                       and all(f["ok"] for f in fake.values())), "same": res, "mix": mixed, "model": model["worst"],
+            "chunked_runs": len(chunked_runs), "fake": fake}
 
 
 def _select_merge_check(device):

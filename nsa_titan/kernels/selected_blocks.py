@@ -213,6 +213,13 @@ def _slot_tokens(gp: int, n: int, d: int) -> int:
     return max(1, (1 << 14) // (gp * pow2(n) * pow2(max(d, 16))))
 
 
+def fwd_chunk_tokens(T: int, lc: dict, G: int, n: int, DV: int) -> int:
+    """The block forward's token chunk: ``lc["chunk_tokens"]`` where it divides T and is a multiple of the merge's
+    tokens per program, else T (one launch, and the sorted keys handed on to the backward)."""
+    chunk = lc.get("chunk_tokens", 0) or T
+    return T if T % chunk or chunk % _slot_tokens(pow2(G), n, DV) else chunk
+
+
 def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None, mix=None,
                    before_mix=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
@@ -232,9 +239,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     tiles = lc.get("tiles", 1)  # tiles of bt pairs per program
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DV)
-    chunk = lc.get("chunk_tokens", 0) or T
-    if T % chunk or chunk % mt:
-        chunk = T
+    chunk = fwd_chunk_tokens(T, lc, G, n, DV)
     nc = T // chunk
     vidx = block_idx
     if nc > 1:  # virtual blocks: (token chunk) * nb + block
