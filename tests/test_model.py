@@ -263,6 +263,37 @@ def test_gate_logits_pads_the_matmul_to_eight_outputs_and_gives_the_same_values(
     assert attention.gate_pad_multiple(torch.zeros(4, 300, 24)) == 1
 
 
+@pytest.mark.parametrize("nkv,ng", [(768, 36), (40, 12), (48, 48)])
+def test_kv_and_gate_logits_as_one_matmul_give_the_two_projections(monkeypatch, nkv, ng):
+    """attention.kv_and_gate_logits (attempt 94): with multiple 8 one matmul over the stacked K/V and gate weights
+    (rows padded to a multiple of 8) gives the two projections' values and weight gradients; with multiple 1 it is
+    the two projections themselves. A slice off by one row, or a pad on the wrong side, fails the values."""
+    import torch.nn.functional as F
+
+    from nsa_titan.models.nsa import attention
+
+    monkeypatch.setattr(attention, "FUSE_KV_GATE", True)
+    rows = []
+    linear = F.linear
+    monkeypatch.setattr(attention.F, "linear", lambda x, w: rows.append(w.shape[0]) or linear(x, w))
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24)
+    wkv, wg = torch.randn(nkv, 24, requires_grad=True), torch.randn(ng, 24, requires_grad=True)
+    for multiple in (8, 1):
+        rows.clear()
+        kv, logits = attention.kv_and_gate_logits(x, wkv, wg, multiple)
+        gkv, gg = torch.randn(kv.shape), torch.randn(logits.shape)
+        ((kv * gkv).sum() + (logits * gg).sum()).backward()
+        dkv, dg, wkv.grad, wg.grad = wkv.grad, wg.grad, None, None
+        assert rows == ([nkv + ng + (-(nkv + ng) % 8)] if multiple == 8 else [nkv, ng])
+        want_kv, want_g = linear(x, wkv), linear(x, wg)
+        ((want_kv * gkv).sum() + (want_g * gg).sum()).backward()
+        assert kv.shape == want_kv.shape and logits.shape == want_g.shape
+        for got, want in ((kv, want_kv), (logits, want_g), (dkv, wkv.grad), (dg, wg.grad)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        wkv.grad = wg.grad = None
+
+
 @pytest.mark.parametrize("l,d,T", [(8, 4, 70), (16, 8, 61), (8, 8, 40), (12, 4, 33)])
 def test_compress_pair_over_chunks_equals_the_unfolded_blocks(monkeypatch, l, d, T):
     """attention.COMPRESS_GEMM "chunks" (attempt 91): phi of the keys and values over the raw rows' stride chunks

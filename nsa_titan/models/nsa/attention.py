@@ -167,6 +167,23 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, multiple: int = 1) -> tor
     return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[..., : weight.shape[0]]
 
 
+def kv_and_gate_logits(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                       multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (x @ wkv^T, x @ wgate^T). With ``multiple`` > 1 one matmul over both weights stacked (the gate's rows
+    padded with zeros so that the stack has a multiple of ``multiple`` rows) and the two results sliced out of it:
+    the same values as two matmuls, but one GEMM forward and one each for dX and dW instead of two, and no gate GEMM
+    of its own (attempt 94). ``multiple`` 1 (the CPU, decode steps: gate_pad_multiple): gate_logits as before."""
+    if multiple == 1 or not FUSE_KV_GATE:
+        return F.linear(x, wkv), gate_logits(x, wgate, multiple)
+    nkv, ng = wkv.shape[0], wgate.shape[0]
+    pad = -(nkv + ng) % multiple
+    y = F.linear(x, torch.cat((wkv, F.pad(wgate, (0, 0, 0, pad)) if pad else wgate)))
+    return y[..., :nkv], y[..., nkv:nkv + ng]
+
+
+FUSE_KV_GATE = False  # attempt 94 (A/B): the K/V and gate projections as one GEMM where gate_pad_multiple > 1
+
+
 def gate_pad_multiple(x: torch.Tensor) -> int:
     """gate_logits' ``multiple`` for input x: 8 for a GEMM on a GPU; 1 on the CPU, where alignment does not pick the
     kernel, and for a decode step's few rows, which would pay two more ops per layer for nothing."""
@@ -200,13 +217,13 @@ class NSAAttention(nn.Module):
         yet (a KV cache keeps the raw compression-branch keys and compresses one block at a time)."""
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        kv = self.wkv(x).view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
+        kv, logits = kv_and_gate_logits(x, self.wkv.weight, self.wgate.weight, gate_pad_multiple(x))
+        kv = kv.view(b, t, self.n_kv_sets, self.n_kv_heads, self.head_dim + self.v_head_dim)
         k, v = kv.split([self.head_dim, self.v_head_dim], dim=-1)
         k = apply_rope(k.flatten(2, 3), cos, sin).view_as(k)
         ks, vs = k.unbind(2), v.unbind(2)
         if self.n_kv_sets == 1:
             ks, vs = ks * 3, vs * 3
-        logits = gate_logits(x, self.wgate.weight, gate_pad_multiple(x))
         gates = torch.sigmoid(logits.float()).view(b, t, self.n_heads, 3)
         return q, (ks[0], vs[0]), (ks[1], vs[1]), (ks[2], vs[2]), gates
 
