@@ -23,8 +23,8 @@ from _kernel_checks_band import (
     _decode_fused_check,
 )
 from _kernel_checks_selected import (
-    _blocks_chunked_check,
     _blocks_fwd_check,
+    _fwd_fake_check,
     _pair_sort_check,
     _pair_table_check,
     _sel_tma_check,
@@ -123,7 +123,7 @@ def _dq_buffer_check(device):
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
-          ("sel_blocks", _blocks_fwd_check), ("sel_blocks_chunked", _blocks_chunked_check),
+          ("sel_blocks", _blocks_fwd_check), ("nsa_fwd_fake", _fwd_fake_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_tokens", _sel_tokens_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_tokens", _sel_dq_tokens_check),
           ("select_merge", _select_merge_check),

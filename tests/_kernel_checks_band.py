@@ -192,12 +192,10 @@ def _band_dq2_partials_check(device):
     once fewer, so 2 fp16 ulps apart); the fused call writes a NaN-filled dQ (acc False), so a read of it shows. dK/dV
     must not change. Then the model's backward with the path switched on (tuned entries for 'partials' and band_dq2),
     whole attention against float64, with documents and with a causal prefix (whose rows are added before the
-    partials); there the sum kernel must not run. And the same with ops.DQ_BESIDE_WALK (attempt 93): band_dq2 runs
-    without the partials (on the side stream on a GPU) and the sum kernel adds them after the walk, once per
-    backward. Dropping the partials fails it by O(1)."""
+    partials); there the sum kernel must not run. Dropping the partials fails it by O(1)."""
     import torch
 
-    from nsa_titan.kernels import band, band_dq2, combine, ops, selected_bwd
+    from nsa_titan.kernels import band, band_dq2, combine, selected_bwd
 
     worst = {}
     cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1)
@@ -220,29 +218,23 @@ def _band_dq2_partials_check(device):
         worst[f"{case[0]}_{bits}"] = rel_err(got, want)
         worst[f"{case[0]}_{bits}_dkdv"] = max(rel_err(dk2, dk), rel_err(dv2, dv))
         worst[f"{case[0]}_{bits}_without"] = -rel_err(without, want)  # must be far from 0 (negated: max below)
-    model, fused_calls, sums, beside_calls, beside_sums = {}, [], [], [], []
-    dq2, dq_sum = band_dq2.band_dq2, ops.sel_dq_sum
+    model, fused_calls, sums = {}, [], []
+    dq2, dq_sum = band_dq2.band_dq2, selected_bwd.sel_dq_sum
+    band_dq2.band_dq2 = lambda *a, **kw: (fused_calls.append(kw.get("dq_partials") is not None), dq2(*a, **kw))[1]
+    selected_bwd.sel_dq_sum = lambda *a, **kw: (sums.append(1), dq_sum(*a, **kw))[1]
     try:
-        for beside, calls, summed in ((False, fused_calls, sums), (True, beside_calls, beside_sums)):
-            # attempt 93 (ops.DQ_BESIDE_WALK): band_dq2 without the partials, ops' sum adds them after the walk
-            band_dq2.band_dq2 = lambda *a, calls=calls, **kw: (calls.append(kw.get("dq_partials") is not None),
-                                                               dq2(*a, **kw))[1]
-            selected_bwd.sel_dq_sum = ops.sel_dq_sum = lambda *a, summed=summed, **kw: (summed.append(1),
-                                                                                       dq_sum(*a, **kw))[1]
-            ops.DQ_BESIDE_WALK = beside
-            for case in (DOC_CASES[1], PREFIX_CASES[0]):  # G 6 over two KV heads: documents; a causal prefix of 48
-                with _tuned_entry("band_dq2", case, cfg), _tuned_entry("sel_dq", case, dict(algo="partials")):
-                    model[f"{case[0]}{'_beside' if beside else ''}"] = run_case(case, device)
+        for case in (DOC_CASES[1], PREFIX_CASES[0]):  # G 6 over two KV heads: documents; a causal prefix of 48
+            with _tuned_entry("band_dq2", case, cfg), _tuned_entry("sel_dq", case, dict(algo="partials")):
+                model[case[0]] = run_case(case, device)
     finally:
-        band_dq2.band_dq2, selected_bwd.sel_dq_sum, ops.sel_dq_sum, ops.DQ_BESIDE_WALK = dq2, dq_sum, dq_sum, False
+        band_dq2.band_dq2, selected_bwd.sel_dq_sum = dq2, dq_sum
     tol = {k: 2e-3 if k.startswith(CASES[5][0]) else 1e-5 if device == "cpu" else TOL["float32"] for k in worst}
     unit_ok = all(w < tol[k] for k, w in worst.items() if not k.endswith("without")) and all(
         -w > 0.1 for k, w in worst.items() if k.endswith("without"))
-    beside_ok = len(beside_calls) >= 2 and not any(beside_calls) and len(beside_sums) == len(beside_calls)
-    return {"ok": unit_ok and len(fused_calls) >= 2 and all(fused_calls) and not sums and beside_ok
+    return {"ok": unit_ok and len(fused_calls) >= 2 and all(fused_calls) and not sums
             and all(r["ok"] for r in model.values()),
             "worst": worst, "model": {k: r["worst"] for k, r in model.items()}, "fused_calls": len(fused_calls),
-            "sum_calls": len(sums), "beside_calls": len(beside_calls), "beside_sums": len(beside_sums)}
+            "sum_calls": len(sums)}
 
 
 def _decode_fused_check(device):

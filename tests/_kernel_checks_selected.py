@@ -10,7 +10,6 @@ from _kernel_cases import (
     _no_descriptor_fallback,
     _sel_inputs,
     _tuned_entry,
-    doc_starts,
     fake_outputs_match,
     rel_err,
     run_case,
@@ -47,59 +46,21 @@ def _blocks_fwd_check(device):
             and max(mixed.values()) == 0.0, "worst": worst, "mix": mixed}
 
 
-# Whole-attention case for the chunked block forward: T a multiple of the chunk, past 2 n l' (no causal prefix).
-CHUNK_CASE = ("chunked_g3", 1, 192, 6, 2, 16, 16, (16, 8, 16, 4, 24), "float32")
+# A whole-attention case whose selected forward runs block-centric under a tuned entry: T past 2 n l' (no causal
+# prefix), G 3 over two KV heads.
+FAKE_CASE = ("fake_g3", 1, 192, 6, 2, 16, 16, (16, 8, 16, 4, 24), "float32")
 
 
-def _blocks_chunked_check(device):
-    """The block-centric forward launched token chunk by token chunk (sel_fwd_blocks' chunk_tokens, attempt 92)
-    against one launch: bitwise the same o and lse (the same pairs, partials and merge), with documents and without,
-    and with the gate mix; its sorted keys are not handed on (None), and a chunk that does not divide T, or that is
-    not a multiple of the merge's tokens per program, falls back to one launch (keys handed on). Then the whole
-    attention with it switched on (a tuned entry) against float64: 3 chunks of 64 tokens, the backward sorting its
-    own keys."""
-    import torch
-
-    from nsa_titan.kernels import selected
-
-    gen = torch.Generator().manual_seed(11)
-    B, T, HQ, HKV, D, lp, n = 2, 128, 6, 2, 16, 16, 8
-    q = torch.randn(B, T, HQ, D, generator=gen).to(device)
-    k, v = (torch.randn(B, T, HKV, D, generator=gen).to(device) for _ in range(2))
-    # each token: min(n, t // l' + 1) distinct candidate blocks in random order, then unused slots
-    t = torch.arange(T)
-    perm = torch.rand(B, HKV, T, T // lp, generator=gen).masked_fill(torch.arange(T // lp) > (t // lp)[:, None], 2)
-    idx = perm.argsort(-1)[..., :n]
-    idx = torch.where(torch.arange(n) < torch.clamp(t // lp + 1, max=n)[:, None], idx, -1).to(device)
-    doc = doc_starts([[0, 30, 70], [0, 100]], T).to(device=device, dtype=torch.int32)
-    res, same = {}, True
-    for name, ds in (("plain", None), ("docs", doc)):
-        base = dict(algo="blocks", rows=16, tiles=2)
-        o1, lse1, keys1 = selected.sel_fwd(q, k, v, idx, lp, cfg=base, doc_start=ds, with_pairs=True)
-        for chunk in (32, 64, 48, 8):  # 48 does not divide 128; 8 is below the merge's 32 tokens per program
-            o2, lse2, keys2 = selected.sel_fwd(q, k, v, idx, lp, cfg=dict(base, chunk_tokens=chunk), doc_start=ds,
-                                               with_pairs=True)
-            chunked = chunk in (32, 64)
-            ok = torch.equal(o1, o2) and torch.equal(lse1, lse2) and (keys2 is None) == chunked
-            res[f"{name}_{chunk}"] = ok
-            same = same and ok
-    x = dict(q=q, ks=k, vs=v, idx=idx, doc=doc)
-    o, lse = selected.sel_fwd(q, k, v, idx, lp, cfg=dict(algo="blocks", rows=16, chunk_tokens=32), doc_start=doc)
-    mixed = _mix_gap(selected, x, lp, dict(algo="blocks", rows=16, chunk_tokens=32), o, lse)
-    chunked_runs, blocks_fwd = [], selected.sel_fwd_blocks
-    selected.sel_fwd_blocks = lambda *a, **kw: (lambda r: chunked_runs.append(r[2] is None) or r)(blocks_fwd(*a, **kw))
-    try:
-        with _tuned_entry("sel_fwd", CHUNK_CASE, dict(algo="blocks", rows=16, tiles=2, chunk_tokens=64)):
-            model = run_case(CHUNK_CASE, device)
-            fake = {"chunked": fake_outputs_match(CHUNK_CASE, device)}  # no keys handed on: fake and real agree
-    finally:
-        selected.sel_fwd_blocks = blocks_fwd
-    with _tuned_entry("sel_fwd", CHUNK_CASE, dict(algo="blocks", rows=16, tiles=2)):
-        fake["one_launch"] = fake_outputs_match(CHUNK_CASE, device)  # the sorted keys handed on
-    keys_ok = fake["chunked"]["real_keys"] == (0,) and fake["one_launch"]["real_keys"] != (0,)
-    return {"ok": bool(same and mixed == 0.0 and model["ok"] and chunked_runs and all(chunked_runs) and keys_ok
-                       and all(f["ok"] for f in fake.values())), "same": res, "mix": mixed, "model": model["worst"],
-            "chunked_runs": len(chunked_runs), "fake": fake}
+def _fwd_fake_check(device):
+    """nsa_fwd's fake implementation (the output shapes and dtypes a compiled model plans its buffers with) against
+    the real op, with the selected forward token-centric (no keys handed on) and block-centric (its sorted keys
+    handed on): a mismatch fails only inside a compiled model (inductor's assert_size_stride), as attempt 92's
+    chunked forward did on its first GPU run."""
+    res = {"token": fake_outputs_match(FAKE_CASE, device)}
+    with _tuned_entry("sel_fwd", FAKE_CASE, dict(algo="blocks", rows=16, tiles=2)):
+        res["blocks"] = fake_outputs_match(FAKE_CASE, device)
+    return {"ok": all(r["ok"] for r in res.values()) and res["token"]["real_keys"] == (0,)
+            and res["blocks"]["real_keys"] != (0,), **res}
 
 
 def _select_merge_check(device):

@@ -24,14 +24,6 @@ from torch.library import custom_op
 
 from nsa_titan.kernels import band, band_bwd, band_dq2, combine, select, selected, selected_bwd
 from nsa_titan.kernels.pair_sort import pair_key_dtype
-from nsa_titan.kernels.selected_blocks import sel_dq_sum
-
-# Attempt 93 (prepared, not yet timed on a GPU): where the selected branch's dQ comes as partials (m7c), the window's
-# and the compressed branch's dQ run on the side stream beside the dK/dV walk (band_dq2 without partials), and the
-# main stream adds the partials to it after the walk (sel_dq_sum): the walk's chain ends with the sum (0.14 ms at m7c
-# 8k batch 2) instead of band_dq2 with the partials (0.25), if the GPU runs the band kernels beside the walk. False:
-# attempt 88's order. A constant, as pair_sort.METHOD: an A/B flips it in a tree copy.
-DQ_BESIDE_WALK = False
 
 
 def _c(x: Tensor) -> Tensor:
@@ -192,16 +184,12 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     dout = dout.contiguous()
     dgates, delta, (lse_cmp, lse_slc, lse_win) = combine.combine_bwd(dout, o_cmp, o_slc, o_win, gates,
                                                                       (lse_cmp, lse_slc, lse_win))
-    t, g, n = q.shape[1], q.shape[2] // k_slc.shape[2], block_idx.shape[-1]
-    prefix = _prefix(q, k_slc, v_slc, n, slc_block, causal_prefix)
+    t = q.shape[1]
+    prefix = _prefix(q, k_slc, v_slc, block_idx.shape[-1], slc_block, causal_prefix)
     dq2 = k_cmp.shape[1] and band_dq2.dq2_enabled(q.shape[2] // k_win.shape[2], max(q.shape[-1], v_win.shape[-1]))
-    beside = (DQ_BESIDE_WALK and dq2 and prefix < t and selected._cfg("sel_dq", q, v_slc, g, n, slc_block, None,
-                                                                      dq_buffer_bytes).get("algo") == "partials")
     # The window's and the compressed branch's dK/dV depend only on what combine_bwd made: on the side stream,
-    # beside the selected branch's backward; their dQ adds into the selected branch's dQ, so it stays in order
-    # (or, with DQ_BESIDE_WALK, runs there too and the selected branch's partials are added to it).
+    # beside the selected branch's backward; their dQ adds into the selected branch's dQ, so it stays in order.
     dk_win, dv_win, dk_cmp, dv_cmp = map(torch.empty_like, (k_win, v_win, k_cmp, v_cmp))
-    dq_band = torch.empty_like(q) if beside else None
     bands = ((k_win, v_win, lse_win, delta[2], 1, 0, window), (k_cmp, v_cmp, lse_cmp, delta[0], cmp_stride,
                                                                cmp_block - 1, 0))  # band_dq2's two branches
     fork = _Side(q)
@@ -214,8 +202,6 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
         else:
             band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
                           doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp))
-        if beside:
-            band_dq2.band_dq2(dout, q, *bands, dq_band, doc_start=doc_start, acc=False)
     parts = None  # the selected branch's dQ partials, left for band_dq2 to add (attempt 88)
     if prefix == t:
         dq, dk_slc, dv_slc = band_bwd.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
@@ -225,18 +211,13 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
             dout, q, k_slc, v_slc, o_slc, lse_slc, _sparse_rows(block_idx.contiguous(), prefix), slc_block,
             delta=delta[1], doc_start=doc_start, keys=pair_keys if pair_keys.numel() else None,
             dq_buffer_bytes=dq_buffer_bytes, sum_dq=not dq2)
-        if beside:  # the side stream's band dQ is where the rest adds up (attempt 93)
-            fork.join()
-            dq = dq_band
         if prefix:  # the prefix rows' dQ (added to the sparse kernels' zeros) and their keys' dK/dV (added)
-            if parts is not None and not beside:  # no sum kernel wrote the sparse rows' zeros
+            if parts is not None:  # no sum kernel wrote the sparse rows' zeros
                 dq.zero_()
             band_bwd.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
-    if beside:
-        sel_dq_sum(*parts, dq, q.shape[-1] ** -0.5, acc=True)
-    elif dq2:
+    if dq2:
         band_dq2.band_dq2(dout, q, *bands, dq, doc_start=doc_start, dq_partials=parts,
                           acc=parts is None or prefix > 0)
     else:

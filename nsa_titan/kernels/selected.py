@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, finish_softmax, online_softmax
 from nsa_titan.kernels.combine import combine_fwd, mix_operands, mix_rows, pow2
-from nsa_titan.kernels.selected_blocks import block_tile, fwd_chunk_tokens, load_kv_rows, sel_fwd_blocks
+from nsa_titan.kernels.selected_blocks import block_tile, load_kv_rows, sel_fwd_blocks
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 from nsa_titan.kernels.tuned import TUNED
 
@@ -371,12 +371,8 @@ def sel_fwd(q, k, v, block_idx, slc_block: int, cfg: dict | None = None, doc_sta
 
 
 def forward_sorts_pairs(q, v, G: int, n: int, slc_block: int) -> bool:
-    """Whether sel_fwd (default launch config) runs block-centric in one launch and so has sorted pair keys to
-    hand on (a chunked launch's keys are ordered by token chunk first: the backward sorts its own). nsa_fwd's fake
-    output shapes follow this, so it must match what sel_fwd_blocks returns."""
-    lc = _cfg("sel_fwd", q, v, G, n, slc_block, None)
-    T = q.shape[1]
-    return lc.get("algo") == "blocks" and fwd_chunk_tokens(T, lc, G, n, v.shape[-1]) == T
+    """Whether sel_fwd (default launch config) runs block-centric and so has sorted pair keys to hand on."""
+    return _cfg("sel_fwd", q, v, G, n, slc_block, None).get("algo") == "blocks"
 
 
 def causal_prefix(q, v, G: int, n: int, slc_block: int, requested: int = -1) -> int:

@@ -67,32 +67,25 @@ def block_tile(X, b, kv, blk, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.constex
 
 @triton.jit
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                    T, NB, G: tl.constexpr, HKV, NCH, qk_scale, VB0, NBR, LP: tl.constexpr, BS: tl.constexpr,
+                    T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
                     NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
     """One program: one K/V block and up to TILES tiles of BT of its (token, slot) pairs, each tile packed exactly
     as ROWS >= BT * G matrix rows (row r: pair r // G, head r % G; G a constexpr, so no group is padded to a
     power of two). The K/V block is loaded once for all tiles, and a 64-row tile needs fewer registers than one
-    128-row tile (sm_90: 126 against 173), so more programs share an SM and hide each other's gathers.
-
-    The tables' blocks may be virtual (sel_fwd_blocks' chunk_tokens): (token chunk) * NBR + block, NB of them; this
-    launch takes the chunks of virtual blocks VB0 .. VB0 + NBR - 1 (VB0 = 0, NBR = NB: all of them), starting at the
-    first one's first chunk, and loads the K/V of block blk - VB0."""
+    128-row tile (sm_90: 126 against 173), so more programs share an SM and hide each other's gathers."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, ROWS)
-    tab = COFF + pid_bh.to(tl.int64) * (NB + 1)
-    pid = pid + tl.load(tab + VB0)
-    if pid >= tl.load(tab + VB0 + NBR):  # a spare program (past the range's last chunk): no pairs. Exit before
-        return  # the K/V load and the MMAs, which it ran on empty rows before (2k batch 8: ~23 % of the grid)
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
+    if blk >= NB:  # a spare program (past the last chunk): no pairs. Exit before the K/V load and the MMAs,
+        return  # which it ran on empty rows before (2k batch 8: ~23 % of the grid, more with a causal prefix)
     seg = OFF + pid_bh.to(tl.int64) * (NB + 1) + blk
     lo = tl.load(seg)
     hi = tl.load(seg + 1)
-    c0 = lo + (pid - tl.load(tab + blk)) * (BT * TILES)
+    c0 = lo + (pid - tl.load(COFF + pid_bh.to(tl.int64) * (NB + 1) + blk)) * (BT * TILES)
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), tl.arange(0, BS)
-    rblk = blk - VB0  # the K/V block
-    s_pos = rblk * LP + sj
+    s_pos = blk * LP + sj
     kmask = (sj < LP) & (s_pos < T)
     k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     g = r % G
@@ -106,7 +99,7 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
         t = tl.where(row_ok, tq - blk * T, 0)
         q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                     mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        _sel_fwd_tile(q, k, v, t, slot, g, row_ok, rblk, b, kv, OP, LP_, DS, T, HKV, qk_scale, s_pos, sj, dv, LP, G,
+        _sel_fwd_tile(q, k, v, t, slot, g, row_ok, blk, b, kv, OP, LP_, DS, T, HKV, qk_scale, s_pos, sj, dv, LP, G,
                       NSEL, DV, DOC)
 
 
@@ -213,23 +206,11 @@ def _slot_tokens(gp: int, n: int, d: int) -> int:
     return max(1, (1 << 14) // (gp * pow2(n) * pow2(max(d, 16))))
 
 
-def fwd_chunk_tokens(T: int, lc: dict, G: int, n: int, DV: int) -> int:
-    """The block forward's token chunk: ``lc["chunk_tokens"]`` where it divides T and is a multiple of the merge's
-    tokens per program, else T (one launch, and the sorted keys handed on to the backward)."""
-    chunk = lc.get("chunk_tokens", 0) or T
-    return T if T % chunk or chunk % _slot_tokens(pow2(G), n, DV) else chunk
-
-
 def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None, mix=None,
                    before_mix=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
     selected._consts/_cfg (rows, warps, stages; tiles: tiles of pairs per program, default 1); ``mix`` and
-    ``before_mix`` as selected.sel_fwd's (checked there): the merge writes the mix.
-
-    ``lc["chunk_tokens"]`` C (attempt 92, off unless set; only where C divides T and is a multiple of the merge's
-    tokens per program): the pairs sorted by (token chunk, block) as virtual blocks, and the forward and the merge
-    launched chunk by chunk, so that a chunk's partials may still be in L2 when its merge reads them. The keys are
-    then not block-major: None is returned for them (the backward sorts its own)."""
+    ``before_mix`` as selected.sel_fwd's (checked there): the merge writes the mix."""
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[-1]
     G, n = HQ // HKV, block_idx.shape[-1]
@@ -237,36 +218,23 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     bt = rows // G  # pairs per program: their G heads each are packed rows, the last rows - bt * G unused
     nb = -(-T // slc_block)
     tiles = lc.get("tiles", 1)  # tiles of bt pairs per program
-    gp = pow2(G)
-    mt = _slot_tokens(gp, n, DV)
-    chunk = fwd_chunk_tokens(T, lc, G, n, DV)
-    nc = T // chunk
-    vidx = block_idx
-    if nc > 1:  # virtual blocks: (token chunk) * nb + block
-        t = torch.arange(T, device=q.device).view(1, 1, T, 1)
-        vidx = torch.where(block_idx >= 0, block_idx + (t // chunk) * nb, -1)
-    keys, off, coff, _, prog = block_pairs(vidx, nb * nc, bt * tiles)
+    keys, off, coff, _, prog = block_pairs(block_idx, nb, bt * tiles)
     op = q.new_empty(B, T, HKV, n, G, DV)  # every used slot is written; unused ones are masked in the merge
     lp = torch.empty(B, T, HKV, n, G, device=q.device, dtype=torch.float32)
+    _sel_fwd_blocks[(prog.shape[1], B * HKV)](
+        q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
+        BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
+        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    # a chunk's programs: its <= C * n pairs in chunks of bt * tiles, one partly filled per block
-    grid = (prog.shape[1] if nc == 1 else -(-chunk * n // (bt * tiles)) + nb, B * HKV)
-    mix_ops = None
-    for c in range(nc):
-        _sel_fwd_blocks[grid](
-            q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
-            *k.stride()[:3], *v.stride()[:3], T, nb * nc, G, HKV, prog.shape[1],
-            q.shape[-1] ** -0.5 * 1.4426950408889634, c * nb, nb, BT=bt, ROWS=rows, TILES=tiles, **consts,
-            DOC=doc_start is not None, num_warps=lc["num_warps"], num_stages=lc["num_stages"])
-        if mix_ops is None:
-            mix_ops = mix_operands(mix, o, before_mix)
-        c0 = c * chunk  # the merge of this chunk's tokens, through views that start at its first token
-        part = [x[:, c0:] for x in (op, lp)] + [block_idx[:, :, c0:], o[:, c0:], lse[:, c0:]]
-        _sel_merge[(triton.cdiv(chunk, mt), B * HKV)](*part, *(x[:, c0:] for x in mix_ops), T, G, HKV, NSEL=n,
-                                                      NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"],
-                                                      MIX=mix is not None, num_warps=4)
-    return o, lse, keys if nc == 1 else None
+    gp = pow2(G)
+    mt = _slot_tokens(gp, n, DV)
+    oc, ow, gates, out = mix_operands(mix, o, before_mix)
+    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, oc, ow, gates, out, T, G, HKV, NSEL=n,
+                                              NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"], MIX=mix is not None,
+                                              num_warps=4)
+    return o, lse, keys
 
 
 def sel_dq_sum(dqp: torch.Tensor, block_idx: torch.Tensor, dq: torch.Tensor, sm_scale: float, acc: bool) -> None:

@@ -107,13 +107,6 @@ class Compressor(nn.Module):
             nn.init.normal_(self.fc2.weight, std=self.fc2.in_features**-0.5)
 
 
-# compress_pair's formulation (attempt 91, prepared, not yet timed on a GPU): "blocks" runs fc1 on the unfolded blocks
-# ([2, B * Tc * H, l * D], each raw row copied l / d times and kept for the backward), "chunks" on the raw rows' stride
-# chunks with a shifted sum (_compress_pair_chunks; d must divide l). A constant, as pair_sort.METHOD: an A/B flips
-# it in a tree copy.
-COMPRESS_GEMM = "blocks"
-
-
 def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tensor):
     """(ck(k), cv(v)) in one pass when both are MLPs of one width: the two compressors' matmuls, forward and
     backward, run as batched matmuls over both (six launches instead of twelve) and their unfold, position
@@ -124,34 +117,12 @@ def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tens
     b, t, h, d = k.shape
     if ck.kind != "mlp" or cv.kind != "mlp" or v.shape[-1] != d or t < ck.block:
         return ck(k), cv(v)
-    if COMPRESS_GEMM == "chunks" and ck.block % ck.stride == 0:
-        return _compress_pair_chunks(ck, cv, k, v)
     blocks = torch.stack((k, v)).unfold(2, ck.block, ck.stride).transpose(-1, -2)  # [2, B, Tc, H, l, D]
     pos = torch.stack((ck.pos_emb, cv.pos_emb)).to(k.dtype)[:, None, None, None]  # [2, 1, 1, 1, l, D]
     x = (blocks + pos).flatten(-2).flatten(1, 3)  # [2, B * Tc * H, l * D]
     w1 = torch.stack((ck.fc1.weight, cv.fc1.weight)).transpose(1, 2)  # [2, l * D, D]
     w2 = torch.stack((ck.fc2.weight, cv.fc2.weight)).transpose(1, 2)  # [2, D, D]
     out = torch.bmm(F.silu(torch.bmm(x, w1)), w2).view(2, b, blocks.shape[2], h, d)
-    return out[0], out[1]
-
-
-def _compress_pair_chunks(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tensor):
-    """compress_pair over the raw rows' stride chunks instead of their unfolded blocks, for l = m * d: block i is the
-    m consecutive chunks i .. i + m - 1 of d rows, and fc1 is linear, so fc1(block i + pos) = sum_j W1_j chunk_{i+j}
-    + W1 pos. One batched GEMM over the chunks with m * D outputs and a shifted sum of its m column groups: the same
-    FLOPs as the unfolded GEMM, over 1/m of the rows' bytes, and no [2, B * Tc * H, l * D] copy for the backward."""
-    b, t, h, d = k.shape
-    l, s = ck.block, ck.stride
-    m, tc = l // s, (t - l) // s + 1
-    nch = tc + m - 1  # chunks that some block uses; nch * s <= t
-    x = torch.stack((k, v))[:, :, : nch * s].view(2, b, nch, s, h, d).transpose(3, 4).reshape(2, b * nch * h, s * d)
-    w1 = torch.stack((ck.fc1.weight, cv.fc1.weight))  # [2, D, l * D]: column (j * s + r) * D + e
-    w1c = w1.view(2, d, m, s * d).permute(0, 3, 2, 1).reshape(2, s * d, m * d)  # rows r * D + e, columns j * D + o
-    y = torch.bmm(x, w1c).view(2, b, nch, h, m, d)
-    bias = torch.einsum("wpe,wope->wo", torch.stack((ck.pos_emb, cv.pos_emb)), w1.view(2, d, l, d))  # fc1(pos)
-    pre = sum(y[:, :, j : j + tc, :, j] for j in range(m)) + bias.to(y.dtype)[:, None, None, None]
-    w2 = torch.stack((ck.fc2.weight, cv.fc2.weight)).transpose(1, 2)  # [2, D, D]
-    out = torch.bmm(F.silu(pre).reshape(2, b * tc * h, d), w2).view(2, b, tc, h, d)
     return out[0], out[1]
 
 
@@ -171,17 +142,16 @@ def kv_and_gate_logits(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                        multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x @ wkv^T, x @ wgate^T). With ``multiple`` > 1 one matmul over both weights stacked (the gate's rows
     padded with zeros so that the stack has a multiple of ``multiple`` rows) and the two results sliced out of it:
-    the same values as two matmuls, but one GEMM forward and one each for dX and dW instead of two, and no gate GEMM
-    of its own (attempt 94). ``multiple`` 1 (the CPU, decode steps: gate_pad_multiple): gate_logits as before."""
-    if multiple == 1 or not FUSE_KV_GATE:
+    the same values as two matmuls, but one GEMM forward and one each for dX and dW instead of two (attempt 94: whole
+    compiled m7c at 8k batch 2 on an H100, 344,183 / 344,592 -> 345,131 / 345,444 tokens/s, interleaved, +0.26 %).
+    ``multiple`` 1 (the CPU, decode steps: gate_pad_multiple): two projections, as before."""
+    if multiple == 1:
         return F.linear(x, wkv), gate_logits(x, wgate, multiple)
     nkv, ng = wkv.shape[0], wgate.shape[0]
     pad = -(nkv + ng) % multiple
     y = F.linear(x, torch.cat((wkv, F.pad(wgate, (0, 0, 0, pad)) if pad else wgate)))
     return y[..., :nkv], y[..., nkv:nkv + ng]
 
-
-FUSE_KV_GATE = False  # attempt 94 (A/B): the K/V and gate projections as one GEMM where gate_pad_multiple > 1
 
 
 def gate_pad_multiple(x: torch.Tensor) -> int:
