@@ -42,7 +42,7 @@ CHUNK = 1024  # pairs per program: counts has NB + 1 entries per chunk, so fewer
 METHOD = "counting"
 # The most histogram bins (NB + 2, to a power of 2) the count kernel takes by default: sm_90 offline (Triton 3.6), 2048
 # bins use 127 registers, 4096 spill 288 bytes, 8192 6.5 KB. Past it sorted_pair_keys sorts by radix
-# (the 1b beyond 128k tokens; the chunked block forward's virtual blocks, attempt 92).
+# (more than 2046 selection blocks: past ~128k tokens with blocks of 64).
 MAX_BINS = 2048
 
 
