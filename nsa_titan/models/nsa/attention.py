@@ -126,37 +126,27 @@ def compress_pair(ck: Compressor, cv: Compressor, k: torch.Tensor, v: torch.Tens
     return out[0], out[1]
 
 
-def gate_logits(x: torch.Tensor, weight: torch.Tensor, multiple: int = 1) -> torch.Tensor:
-    """x @ weight^T, with the weight's rows padded with zeros to a multiple of ``multiple`` for the matmul and the
-    result sliced back: the same values. The gate projection has 3 * n_heads outputs; where that is not a multiple
-    of 8 (m7c: 36), cuBLAS ran sm80 cutlass kernels with 2-element alignment for its three GEMMs on an H100, 0.057 ms
-    per m7c block at 8k batch 2 for less than 1 GFLOP each; padded, 0.029 (attempt 90;
-    benchmarks/results/profile_block_{s23,gate_s23}_*)."""
-    pad = -weight.shape[0] % multiple
-    if pad == 0:
-        return F.linear(x, weight)
-    return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[..., : weight.shape[0]]
-
-
 def kv_and_gate_logits(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                        multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (x @ wkv^T, x @ wgate^T). With ``multiple`` > 1 one matmul over both weights stacked (the gate's rows
-    padded with zeros so that the stack has a multiple of ``multiple`` rows) and the two results sliced out of it:
-    the same values as two matmuls, but one GEMM forward and one each for dX and dW instead of two (attempt 94: whole
-    compiled m7c at 8k batch 2 on an H100, 344,183 / 344,592 -> 345,131 / 345,444 tokens/s, interleaved, +0.26 %).
-    ``multiple`` 1 (the CPU, decode steps: gate_pad_multiple): two projections, as before."""
+    """-> (x @ wkv^T, x @ wgate^T). With ``multiple`` > 1 one matmul over both weights stacked, the gate's rows padded
+    with zeros so that the stack has a multiple of ``multiple`` rows, and the two results sliced out of it: the same
+    values as two matmuls. The gate projection alone has 3 * n_heads outputs; where that is not a multiple of 8 (m7c:
+    36), cuBLAS ran sm80 cutlass kernels with 2-element alignment for its three GEMMs on an H100, 0.057 ms per m7c
+    block at 8k batch 2; padded to 40, 0.029 (attempt 90; benchmarks/results/profile_block_{s23,gate_s23}_*). Stacked
+    into the K/V GEMM, one GEMM forward and one each for dX and dW instead of two (attempt 94: whole compiled m7c at
+    8k batch 2, 344,183 / 344,592 -> 345,131 / 345,444 tokens/s, interleaved, +0.26 %). ``multiple`` 1 (the CPU,
+    decode steps: gate_pad_multiple): the two projections."""
     if multiple == 1:
-        return F.linear(x, wkv), gate_logits(x, wgate, multiple)
+        return F.linear(x, wkv), F.linear(x, wgate)
     nkv, ng = wkv.shape[0], wgate.shape[0]
     pad = -(nkv + ng) % multiple
     y = F.linear(x, torch.cat((wkv, F.pad(wgate, (0, 0, 0, pad)) if pad else wgate)))
     return y[..., :nkv], y[..., nkv:nkv + ng]
 
 
-
 def gate_pad_multiple(x: torch.Tensor) -> int:
-    """gate_logits' ``multiple`` for input x: 8 for a GEMM on a GPU; 1 on the CPU, where alignment does not pick the
-    kernel, and for a decode step's few rows, which would pay two more ops per layer for nothing."""
+    """kv_and_gate_logits' ``multiple`` for input x: 8 for a GEMM on a GPU; 1 on the CPU, where alignment does not
+    pick the kernel, and for a decode step's few rows, which would pay two more ops per layer for nothing."""
     return 8 if x.is_cuda and x.numel() // x.shape[-1] >= 256 else 1
 
 
