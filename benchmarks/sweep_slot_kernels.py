@@ -117,5 +117,6 @@ def main():
                 [[str(r["B"]), str(r["T"]), str(r["tokens"]), f"{r['warps']}{' (committed)' if r['committed'] else ''}",
                   f"{r['merge_ms']:.3f}", f"{r['dq_sum_ms']:.3f}"] for r in payload["rows"]])
 
+
 if __name__ == "__main__":
     main()
