@@ -316,3 +316,16 @@ def test_write_table_names_the_files_by_device_and_writes_one_table(tmp_path):
     want = ("# A probe: NVIDIA H100 80GB HBM3\n\ntorch 2.11, triton 3.6, 2026-11-27; m7c shapes.\n\n"
             "| a | b |\n|---|---|\n| 1 | x |\n| 2 | y |\n")
     assert stem.with_suffix(".md").read_text() == want
+
+
+def test_bench_attention_targets_give_the_kernel_ratio_of_host_bound_rows_only():
+    """The m7c / qwen7b target lines judge wall times; a host-bound row (batch 1, eager launches) also gets SDPA's
+    wall time over NSA's kernel time, what a CUDA-graphed step pays, and a row that is not host-bound does not."""
+    mod = _load_benchmark("bench_attention")
+    rows = [dict(config="m7c", T=8192, nsa_fwdbwd_ms=3.74, nsa_fwdbwd_kernel_ms=1.11, sdpa_fwdbwd_ms=0.98,
+                 speedup_fwdbwd=0.98 / 3.74),
+            dict(config="m7c", T=32768, nsa_fwdbwd_ms=5.33, nsa_fwdbwd_kernel_ms=5.27, sdpa_fwdbwd_ms=13.09,
+                 speedup_fwdbwd=13.09 / 5.33)]
+    line = next(x for x in mod.targets(rows) if x.startswith("- m7c fwd+bwd vs SDPA"))
+    assert "8k 0.26x (host-bound; SDPA wall / NSA kernels 0.88x) vs >= 1x: MISSED by 3.82x" in line
+    assert "32k 2.46x vs >= 4x: MISSED by 1.63x" in line
