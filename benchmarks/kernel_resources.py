@@ -51,9 +51,11 @@ def parse_usage(text: str) -> dict:
     return {k: int(v) for k, v in (f.split(":", 1) for f in line.split() if ":" in f and f.split(":", 1)[1].isdigit())}
 
 
-def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int):
+def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int, int_div16=()):
     """``fn`` compiled for sm_90 (no GPU needed) with these constexprs; other ints are i32, ``*scale`` args fp32,
-    pointers 16-byte aligned as in real launches. -> Triton's compiled kernel (``.asm`` holds ttir ... cubin)."""
+    pointers 16-byte aligned as in real launches. ``int_div16``: the int arguments a real launch would pass as
+    multiples of 16 (Triton specialises those: vector loads through strides, fewer index instructions).
+    -> Triton's compiled kernel (``.asm`` holds ttir ... cubin)."""
     sig, attrs, const = {}, {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in consts:
@@ -64,6 +66,8 @@ def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: i
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[n] = "fp32" if n.endswith("scale") else "i32"
+            if n in int_div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, WARP_SIZE),
                           options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -259,6 +259,19 @@ def test_kernel_resources_reads_cuobjdump_usage_lines():
     assert (got["REG"], got["STACK"], got["SHARED"], got["LOCAL"]) == (255, 88, 1024, 0)
 
 
+def test_loop_instructions_counts_each_backward_branch_body():
+    """benchmarks/loop_instructions.py's SASS reading: a loop is the span from a backward branch's target to the
+    branch, counted by opcode (predicates and modifiers stripped); a forward branch is no loop."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from loop_instructions import sass_loops
+
+    sass = "\n".join(f"        /*{a:04x}*/  {t} ;  /* 0x0 */" for a, t in [
+        (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "@P0 BRA 0x40"), (0x20, "IMAD.WIDE R2, R3, R4, R5"),
+        (0x30, "@!P1 FFMA R6, R7, R8, R9"), (0x40, "IMAD R2, R3, R4, R5"), (0x50, "@P2 BRA 0x20"), (0x60, "EXIT")])
+    assert sass_loops(sass) == [dict(instructions=4, ops={"IMAD": 2, "FFMA": 1, "BRA": 1})]
+
+
 def test_import_without_triton_raises_importerror():
     """A missing triton must surface as ImportError (the model then falls back to the torch path)."""
     code = ("import sys; sys.modules['triton'] = None\n"

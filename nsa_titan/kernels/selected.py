@@ -251,7 +251,9 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     partial_bits=32 in fp32, and a sum kernel adds them per token in fp32: for small groups whose head dim is at
     most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer
     fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per token). ``budget``: those buffers' limit in
-    bytes instead of DS_BUDGET (the model's dq_buffer_gib).
+    bytes instead of DS_BUDGET (the model's dq_buffer_gib). ``i32_rows`` (off unless a cfg or TUNED sets it): the
+    block forward and the dK/dV walk do their row arithmetic in 32 bits from each batch's bases where one batch of
+    every buffer has < 2^31 elements (attempt 95; benchmarks/loop_instructions.py counts what it saves).
 
     The interpreter pays per Triton op, not per element: all n blocks in one step there. On the GPU two
     64-key blocks per step give 128-key tiles (fewer, larger MMAs) while K and V still fit shared memory

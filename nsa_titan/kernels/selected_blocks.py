@@ -69,11 +69,14 @@ def block_tile(X, b, kv, blk, T, sxb, sxs, sxh, LP: tl.constexpr, BS: tl.constex
 def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                     T, NB, G: tl.constexpr, HKV, NCH, qk_scale, LP: tl.constexpr, BS: tl.constexpr,
                     NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                    DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr,
+                    I32: tl.constexpr = False):
     """One program: one K/V block and up to TILES tiles of BT of its (token, slot) pairs, each tile packed exactly
     as ROWS >= BT * G matrix rows (row r: pair r // G, head r % G; G a constexpr, so no group is padded to a
     power of two). The K/V block is loaded once for all tiles, and a 64-row tile needs fewer registers than one
-    128-row tile (sm_90: 126 against 173), so more programs share an SM and hide each other's gathers."""
+    128-row tile (sm_90: 126 against 173), so more programs share an SM and hide each other's gathers.
+    I32 (launch option i32_rows): the tiles' row arithmetic in 32 bits from batch b's bases, the keys decoded
+    unsigned, as selected_bwd._sel_bwd_dkdv's."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     r = tl.arange(0, ROWS)
@@ -90,17 +93,28 @@ def _sel_fwd_blocks(Q, K, V, KEYS, OFF, COFF, PROG, OP, LP_, DS, sqb, sqt, sqh, 
     k, v = load_kv_rows(K, V, b, kv, s_pos, kmask, skb, sks, skh, svb, svs, svh, DK, DV, DKP, DVP)
     g = r % G
     h = kv * G + g
+    wb = b  # with I32 the tiles index from batch b's bases (wb = 0 folds the b terms away: int32 row math)
+    Qw, OPw, LPw, DSw = Q, OP, LP_, DS
+    if I32:
+        wb = 0
+        Qw = Q + b * sqb
+        OPw = OP + b * T * (HKV * NSEL * G * DV)
+        LPw = LP_ + b * T * (HKV * NSEL * G)
+        DSw = DS + b * T
     for i in range(0, tl.cdiv(tl.minimum(hi - c0, BT * TILES), BT)):
         e = c0 + i * BT + r // G
         row_ok = (e < hi) & (r < BT * G)
         key = tl.load(KEYS + pid_bh.to(tl.int64) * (T * NSEL) + e, mask=row_ok, other=0)
-        tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
+        if I32:  # keys are >= 0: unsigned division (a shift for n a power of 2)
+            tq = (key.to(tl.uint32) // NSEL).to(tl.int32)
+        else:
+            tq = key // NSEL  # blk * T + t; no 64-bit modulo by a runtime T (slow on the GPU)
         slot = key - tq * NSEL
         t = tl.where(row_ok, tq - blk * T, 0)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
+        q = tl.load(Qw + wb * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                     mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        _sel_fwd_tile(q, k, v, t, slot, g, row_ok, blk, b, kv, OP, LP_, DS, T, HKV, qk_scale, s_pos, sj, dv, LP, G,
-                      NSEL, DV, DOC)
+        _sel_fwd_tile(q, k, v, t, slot, g, row_ok, blk, wb, kv, OPw, LPw, DSw, T, HKV, qk_scale, s_pos, sj, dv, LP,
+                      G, NSEL, DV, DOC)
 
 
 @triton.jit
@@ -206,6 +220,14 @@ def _slot_tokens(gp: int, n: int, d: int) -> int:
     return max(1, (1 << 14) // (gp * pow2(n) * pow2(max(d, 16))))
 
 
+def batch_fits_i32(q: torch.Tensor, T: int, HKV: int, n: int, G: int, width: int) -> bool:
+    """Whether one batch's part of every tensor the block-centric kernels index per row (Q through its strides; the
+    per-(token, slot) buffers [T, HKV, n, G, width] and anything smaller) has < 2^31 elements: their launch option
+    i32_rows then does the row arithmetic in 32 bits."""
+    q_span = 1 + sum((s - 1) * st for s, st in zip(q.shape[1:], q.stride()[1:]))
+    return max(q_span, T * HKV * n * G * width) < 2**31
+
+
 def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None, mix=None,
                    before_mix=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
@@ -225,6 +247,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
         BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
+        I32=bool(lc.get("i32_rows", False)) and batch_fits_i32(q, T, HKV, n, G, max(DV, 1)),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)

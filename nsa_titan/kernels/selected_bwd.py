@@ -28,7 +28,7 @@ from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import pow2, rowdot
 from nsa_titan.kernels.pair_sort import block_pairs
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
-from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_dq_sum, slot_row
+from nsa_titan.kernels.selected_blocks import batch_fits_i32, load_kv_rows, sel_dq_sum, slot_row
 from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_tokens, _sel_bwd_dq_tokens
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
@@ -54,7 +54,7 @@ def _walk_math(q, do, lse, delta, k, v, acc_k, acc_v, vis, qk_scale, MASK: tl.co
 def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk, s_pos, sj, dk,
                dv, sqb, sqt, sqh, T, HKV, qk_scale, G: tl.constexpr, LP: tl.constexpr, NSEL: tl.constexpr,
                BT: tl.constexpr, GS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, STORE_DS: tl.constexpr,
-               STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr):
+               STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK: tl.constexpr, I32: tl.constexpr = False):
     """One step of _sel_bwd_dkdv's walk: BT pairs from e0 (those < hi) as rows; MASK False when every row's token
     lies past the block (it sees all of its keys)."""
     g = r % GS
@@ -62,7 +62,13 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
     e = e0 + r // GS
     row_ok = (e < hi) & (r < BT * GS) & (g < G)
     key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
-    t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
+    if I32:  # keys are >= 0: unsigned division (a shift for n a power of 2), not signed division's fix-ups
+        kq = (key.to(tl.uint32) // NSEL).to(tl.int32)
+        slot = key - kq * NSEL
+        t = kq - blk * T
+    else:
+        t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
+        slot = key - (key // NSEL) * NSEL  # only the stores below read it
     t = tl.where(row_ok, t, 0)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -76,7 +82,6 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
     if MASK and DOC:
         vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
     acc_k, acc_v, ds = _walk_math(q, do, lse, delta, k, v, acc_k, acc_v, vis, qk_scale, MASK)
-    slot = key - (key // NSEL) * NSEL  # only the stores below read it
     if STORE_DS:
         d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
         tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
@@ -93,7 +98,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, I32: tl.constexpr = False):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     pair_sort.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -103,7 +108,9 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     second pass reading K through L2 (the dS path's dQ kernel).
     Each step takes BT pairs as ROWS >= BT * GS rows (row r: pair r // GS, head r % GS, rows with head >= G
     unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg).
-    MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop)."""
+    MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop).
+    I32 (launch option i32_rows, when every buffer's part of one batch has < 2^31 elements): the walk's row and
+    address arithmetic in 32 bits from batch b's bases, and the pair keys decoded unsigned (sel_bwd_parts)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
@@ -131,15 +138,29 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
         first_whole = (blk.to(tl.int64) * T + blk * LP + LP - 1) * NSEL  # the key of token blk*l' + l' - 1, slot 0
         own = (tl.load(key_base + j, mask=j < hi, other=0).to(tl.int64) < first_whole) & (j < hi)
         mid = tl.minimum(lo + tl.cdiv(tl.sum(own.to(tl.int32), 0), BT) * BT, hi)
+    # The walk's tensors; with I32 from batch b's first element, so that the row arithmetic inside needs no b
+    # (wb = 0 folds every b term away and leaves int32 math; 64-bit products cost ~3 instructions each, and the
+    # walk is issue-bound, attempt 56).
+    wb = b
+    Qw, DOw, LSEw, DELTAw, DSBw, DQPw, DSw = Q, DO, LSE, DELTA, DSB, DQP, DS
+    if I32:
+        wb = 0
+        Qw = Q + b * sqb
+        DOw = DO + b * T * (HKV * G * DV)
+        LSEw = LSE + b * T * (HKV * G)
+        DELTAw = DELTA + b * T * (HKV * G)
+        DSBw = DSB + b * T * (HKV * NSEL * G * LP)
+        DQPw = DQP + b * T * (HKV * NSEL * G * DK)
+        DSw = DS + b * T
     for e0 in range(lo, mid, BT):
-        acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv, blk,
-                                  s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK, DV,
-                                  STORE_DS, STORE_DQ, DOC, True)
+        acc_k, acc_v = _walk_step(Qw, DOw, LSEw, DELTAw, DSBw, DQPw, DSw, key_base, k, v, acc_k, acc_v, e0, hi, r, wb,
+                                  kv, blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK,
+                                  DV, STORE_DS, STORE_DQ, DOC, True, I32)
     if MASK_SPLIT and LP == BS and not DOC:  # off: one loop, the kernel as before the split (registers: 248 vs 254)
         for e0 in range(mid, hi, BT):
-            acc_k, acc_v = _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0, hi, r, b, kv,
-                                      blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT, GS, DK,
-                                      DV, STORE_DS, STORE_DQ, DOC, False)
+            acc_k, acc_v = _walk_step(Qw, DOw, LSEw, DELTAw, DSBw, DQPw, DSw, key_base, k, v, acc_k, acc_v, e0, hi, r,
+                                      wb, kv, blk, s_pos, sj, dk, dv, sqb, sqt, sqh, T, HKV, qk_scale, G, LP, NSEL, BT,
+                                      GS, DK, DV, STORE_DS, STORE_DQ, DOC, False, I32)
     acc_k = acc_k * sm_scale
     # Masks from vectors only (the interpreter mis-types bool scalar & bool tensor).
     alive = (sj * 0 + live) > 0
@@ -249,6 +270,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G, HKV,
         prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
         STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
+        I32=bool(lc.get("i32_rows", False)) and batch_fits_i32(q, T, HKV, n, G, max(DK, DV, slc_block)),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
