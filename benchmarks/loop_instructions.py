@@ -5,7 +5,8 @@
 The selected dK/dV walk is issue-bound (NOTES_kernels attempt 56: an instruction every ~7 cycles per warp at 2
 programs per SM), so the SASS instructions of its loop body are a cost model one can read without a GPU. For the
 walk at m7c's shape (G 6 packed exactly, head dim 64, dQ partials) and the 1b's (G 16, head dim 128, dS stored,
-mask-free steps), and for the block forward at m7c's, each with and without the launch option ``i32_rows``
+mask-free steps), for the block forward at m7c's and the band dK/dV at m7c's window and compressed geometries
+(pointer loads: two KV heads), each with and without the launch option ``i32_rows``
 (attempt 95: row arithmetic in 32 bits from each batch's bases, keys decoded unsigned), this prints registers, stack
 bytes and, per loop of the kernel (a backward branch in the SASS), its instruction count by opcode. Ints that a
 launch passes as multiples of 16 (strides, T) are compiled as such, as Triton specialises them. Writes
@@ -28,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from kernel_resources import BIN, SEL_POINTERS, compile_sm90, parse_usage  # noqa: E402
+from kernel_resources import BIN, POINTERS, SEL_POINTERS, compile_sm90, parse_usage  # noqa: E402
 
-from nsa_titan.kernels import selected_blocks, selected_bwd  # noqa: E402
+from nsa_titan.kernels import band_bwd, selected_blocks, selected_bwd  # noqa: E402
 
 DIV16 = ("T", "sqb", "sqt", "sqh", "skb", "sks", "skh", "svb", "svs", "svh")
 FWD_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32",
@@ -44,6 +45,13 @@ CASES = {  # name: (kernel, constexprs, pointers, warps, stages) as the model la
                                                  MASK_SPLIT=True), SEL_POINTERS, 4, 3),
     "block_fwd_m7c": (selected_blocks._sel_fwd_blocks, dict(G=6, LP=64, BS=64, NSEL=16, BT=10, ROWS=64, TILES=4, DK=64,
                                                             DV=64, DKP=64, DVP=64, DOC=False), FWD_POINTERS, 4, 1),
+    # The band dK/dV at m7c's window and compressed geometries (two KV heads: pointer loads of Q and dO rows).
+    "band_dkdv_m7c_win": (band_bwd._band_bwd_dkdv, dict(G=6, KSTRIDE=1, KOFF=0, WIN=512, ROWS=64, BK=64, DK=64, DV=64,
+                                                         DKP=64, DVP=64, DOC=False, SPLIT=True, TMA=False, KT=False),
+                          POINTERS, 4, 3),
+    "band_dkdv_m7c_cmp": (band_bwd._band_bwd_dkdv, dict(G=6, KSTRIDE=16, KOFF=31, WIN=0, ROWS=64, BK=64, DK=64, DV=64,
+                                                         DKP=64, DVP=64, DOC=False, SPLIT=True, TMA=False, KT=False),
+                          POINTERS, 4, 3),
 }
 
 

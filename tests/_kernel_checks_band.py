@@ -87,8 +87,9 @@ def _band_tma_check(device):
     slices of one wider tensor (as the model's fused K/V projection makes them), a prefix call (n_queries, keys
     k[:, :p]: a batch stride that is not S rows), and G = 3 with one KV head (16-row tiles hold 5 1/3 tokens). Masked
     rows and keys are hidden by the mask or by LSE = +inf either way, so both must agree to the bit on the
-    interpreter; both are also held to a float64 band attention. Head dim 24 (not its own power of two) must fall
-    back to pointer loads."""
+    interpreter; both are also held to a float64 band attention, and so is dK/dV with its query tiles indexed in 32
+    bits from each batch's bases (i32_rows). Head dim 24 (not its own power of two) must fall back to pointer
+    loads."""
     import torch
 
     from nsa_titan.kernels import band, band_bwd, tma
@@ -113,11 +114,13 @@ def _band_tma_check(device):
             took = took and all(tma.descriptor(*s) is not None for sp in specs for s in sp.values()) and all(specs)
             took = took and (HKV == 1 or band_bwd._rows_specs(q, do, 16, HKV) == {})  # dK/dV rows: one KV head only
             outs = []
-            for use in (False, True):
+            # The third: pointer loads with dK/dV's query tiles indexed in 32 bits from each batch's bases
+            # (i32_rows, attempt 95: the same addresses, so the same bits).
+            for use, i32 in ((False, False), (True, False), (False, True)):
                 cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, tma=use)
                 o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds, n_queries=nq)
-                dq, dk, dv = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg,
-                                           doc_start=ds, n_queries=nq)
+                dq, dk, dv = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg,
+                                               cfg_dkdv=dict(cfg, i32_rows=i32), doc_start=ds, n_queries=nq)
                 rows = slice(None) if nq is None else slice(0, nq)
                 o, lse, dq = o[:, rows], lse[:, rows], dq[:, rows]
                 fin = torch.isfinite(lse)
@@ -125,7 +128,7 @@ def _band_tma_check(device):
                 want = _naive_band(q[:, rows].cpu(), k.cpu(), v.cpu(), do[:, rows].cpu(), kstride, koff, win,
                                    None if ds is None else ds[:, rows])
                 naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip((o, dq, dk, dv), want)))
-            worst[name] = max(rel_err(a, b) for a, b in zip(*outs))
+            worst[name] = max(rel_err(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
     odd = torch.randn(1, 8, 1, 24, device=device)
     fallback = all(tma.descriptor(*s) is None for s in tma.kv_specs(odd, odd, 16).values())
     return {"ok": took and fallback and max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"])

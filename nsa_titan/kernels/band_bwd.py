@@ -174,10 +174,12 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
-                   TMA: tl.constexpr, KT: tl.constexpr):
+                   TMA: tl.constexpr, KT: tl.constexpr, I32: tl.constexpr = False):
     """dK/dV of one key tile over one split of the queries that see it; partials [NSPLIT, B, S, HKV, D] (fp32, or the
     outputs themselves in their dtype when NSPLIT is 1). With
-    TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive)."""
+    TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive).
+    I32 (launch option i32_rows, pointer loads only): the query tiles' row arithmetic in 32 bits from batch b's
+    bases, as the selected walk's (attempt 95)."""
     pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
@@ -200,22 +202,38 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     acc_v = tl.zeros([BK, DVP], tl.float32)
     m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, TQ, G, KSTRIDE, KOFF, WIN,
                                ROWS, SPLIT)
+    wb = b  # with I32 the tiles index from batch b's bases (wb = 0 folds the b terms away: int32 row math)
+    Qw, DOw, LSEw, DELTAw, DSw = Q, DO, LSE, DELTA, DS
+    if I32 and not TMA:
+        wb = 0
+        Qw = Q + b * sqb
+        DOw = DO + b * T * (HKV * G * DV)
+        LSEw = LSE + b * T * (HKV * G)
+        DELTAw = DELTA + b * T * (HKV * G)
+        DSw = DS + b * T
     for r0 in range(lo, m1, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA,
-                                  KT)
+        acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True,
+                                  TMA, KT)
     for r0 in range(m1, m2, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False, TMA,
-                                  KT)
+        acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False,
+                                  TMA, KT)
     for r0 in range(m2, hi, ROWS):
-        acc_k, acc_v = _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-                                  acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True, TMA,
-                                  KT)
+        acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True,
+                                  TMA, KT)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
              mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
+
+
+def _batch_fits_i32(q: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether one batch of Q (through its strides) and of dO (contiguous; LSE, delta and the documents' starts are
+    smaller) has < 2^31 elements: band_dkdv's i32_rows then indexes its query tiles in 32 bits."""
+    q_span = 1 + sum((s - 1) * st for s, st in zip(q.shape[1:], q.stride()[1:]))
+    return max(q_span, do[0].numel()) < 2**31
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -308,7 +326,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
                      nsplit), _rows_specs(q, do, rows, HKV), tma,
-                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **kw))
+                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **{**kw, "I32": kw["I32"] and _batch_fits_i32(q, do)}))
     if dkv_acc is not None:
         dk, dv = dkv_acc
         add_splits(dkp, dk)
