@@ -106,6 +106,21 @@ def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
         assert torch.equal(off, torch.searchsorted(want, torch.arange(nb + 1).view(1, -1) * (T * n)))
 
 
+def test_i32_rows_only_where_one_batch_of_every_buffer_stays_below_2_31():
+    """The launch option i32_rows (32-bit row arithmetic from each batch's bases) is taken only where one batch of Q,
+    through its strides, and of the kernel's other buffers has < 2^31 elements; a strided Q view counts its span."""
+    import torch
+
+    from nsa_titan.kernels.combine import fits_i32
+
+    q = torch.empty(4, 8192, 12, 64, device="meta")
+    assert fits_i32(q, 2**31 - 1)
+    assert not fits_i32(q, 2**31)  # the per-(token, slot) buffers of one batch reach 2^31
+    wide = torch.empty_strided((2, 65537, 64, 128), (1, 2**15, 128, 1), device="meta")  # one batch spans > 2^31
+    assert not fits_i32(wide, 1)
+    assert fits_i32(wide[:, :65536], 1)  # its last element is 2^31 - 24,577 past the batch's first
+
+
 def test_band_bwd_refuses_an_unknown_part_before_launching():
     """band_bwd's ``parts`` (the halves the NSA op runs on two streams) accepts 'all', 'dq' and 'dkdv' only; a typo
     would otherwise silently run both halves."""

@@ -22,7 +22,7 @@ from nsa_titan.kernels.band import (
     launch_cfg,
     sm_count,
 )
-from nsa_titan.kernels.combine import add_splits, pow2, rowdot
+from nsa_titan.kernels.combine import add_splits, fits_i32, pow2, rowdot
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
@@ -229,13 +229,6 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
 
 
-def _batch_fits_i32(q: torch.Tensor, do: torch.Tensor) -> bool:
-    """Whether one batch of Q (through its strides) and of dO (contiguous; LSE, delta and the documents' starts are
-    smaller) has < 2^31 elements: band_dkdv's i32_rows then indexes its query tiles in 32 bits."""
-    q_span = 1 + sum((s - 1) * st for s, st in zip(q.shape[1:], q.stride()[1:]))
-    return max(q_span, do[0].numel()) < 2**31
-
-
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
     """dK/dV's Q and dO (arguments 0 and 3) as [B, T * HQ, D] descriptors with [1, ROWS, D] boxes: with one KV head
     the packed rows R = t * G + h of a tile are consecutive rows of that view (with more, a tile's rows skip the other
@@ -326,7 +319,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
                      nsplit), _rows_specs(q, do, rows, HKV), tma,
-                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **{**kw, "I32": kw["I32"] and _batch_fits_i32(q, do)}))
+                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **{**kw, "I32": kw["I32"] and fits_i32(q, do[0].numel())}))
     if dkv_acc is not None:
         dk, dv = dkv_acc
         add_splits(dkp, dk)

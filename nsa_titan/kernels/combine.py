@@ -19,6 +19,13 @@ def pow2(x: int) -> int:
     return 1 << max(0, (max(1, x) - 1).bit_length())
 
 
+def fits_i32(q: torch.Tensor, per_batch: int) -> bool:
+    """Whether one batch of ``q`` (through its strides) and ``per_batch`` elements (one batch of the other buffers a
+    kernel indexes per row) both stay below 2^31: the kernels' launch option i32_rows (attempt 95) may then do the
+    row arithmetic in 32 bits from each batch's bases."""
+    q_span = 1 + sum((n - 1) * st for n, st in zip(q.shape[1:], q.stride()[1:]))
+    return max(q_span, per_batch) < 2**31
+
 
 @triton.jit
 def _rowdot(A, B, OUT, N, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):

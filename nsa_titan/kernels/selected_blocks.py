@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.combine import mix_operands, mix_rows, pow2
+from nsa_titan.kernels.combine import fits_i32, mix_operands, mix_rows, pow2
 from nsa_titan.kernels.pair_sort import block_pairs
 
 
@@ -220,14 +220,6 @@ def _slot_tokens(gp: int, n: int, d: int) -> int:
     return max(1, (1 << 14) // (gp * pow2(n) * pow2(max(d, 16))))
 
 
-def batch_fits_i32(q: torch.Tensor, T: int, HKV: int, n: int, G: int, width: int) -> bool:
-    """Whether one batch's part of every tensor the block-centric kernels index per row (Q through its strides; the
-    per-(token, slot) buffers [T, HKV, n, G, width] and anything smaller) has < 2^31 elements: their launch option
-    i32_rows then does the row arithmetic in 32 bits."""
-    q_span = 1 + sum((s - 1) * st for s, st in zip(q.shape[1:], q.stride()[1:]))
-    return max(q_span, T * HKV * n * G * width) < 2**31
-
-
 def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, doc_start=None, mix=None,
                    before_mix=None):
     """-> (o, lse, sorted pair keys); o and lse as selected.sel_fwd's; ``consts``/``lc`` from
@@ -247,7 +239,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
         BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
-        I32=bool(lc.get("i32_rows", False)) and batch_fits_i32(q, T, HKV, n, G, max(DV, 1)),
+        I32=bool(lc.get("i32_rows", False)) and fits_i32(q, T * HKV * n * G * DV),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
-from nsa_titan.kernels.combine import pow2, rowdot
+from nsa_titan.kernels.combine import fits_i32, pow2, rowdot
 from nsa_titan.kernels.pair_sort import block_pairs
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
-from nsa_titan.kernels.selected_blocks import batch_fits_i32, load_kv_rows, sel_dq_sum, slot_row
+from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_dq_sum, slot_row
 from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_tokens, _sel_bwd_dq_tokens
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
@@ -270,7 +270,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G, HKV,
         prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
         STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
-        I32=bool(lc.get("i32_rows", False)) and batch_fits_i32(q, T, HKV, n, G, max(DK, DV, slc_block)),
+        I32=bool(lc.get("i32_rows", False)) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
