@@ -55,8 +55,11 @@ def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: i
     """``fn`` compiled for sm_90 (no GPU needed) with these constexprs; other ints are i32, ``*scale`` args fp32,
     pointers 16-byte aligned as in real launches. ``int_div16``: the int arguments a real launch would pass as
     multiples of 16 (Triton specialises those: vector loads through strides, fewer index instructions).
+    Constexpr parameters with a default and no entry in ``consts`` take their default, as in a launch.
     -> Triton's compiled kernel (``.asm`` holds ttir ... cubin)."""
     sig, attrs, const = {}, {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # as a launch fills them
+    consts = {**defaults, **consts}
     for i, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n], const[(i,)] = "constexpr", consts[n]

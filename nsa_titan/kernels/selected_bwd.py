@@ -64,11 +64,9 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
     key = tl.load(key_base + e, mask=row_ok, other=0)  # blk * T*n + t*n + slot
     if I32:  # keys are >= 0: unsigned division (a shift for n a power of 2), not signed division's fix-ups
         kq = (key.to(tl.uint32) // NSEL).to(tl.int32)
-        slot = key - kq * NSEL
         t = kq - blk * T
     else:
         t = (key // NSEL - blk * T).to(tl.int32)  # no 64-bit modulo by a runtime T (slow on the GPU)
-        slot = key - (key // NSEL) * NSEL  # only the stores below read it
     t = tl.where(row_ok, t, 0)
     q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -82,6 +80,10 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
     if MASK and DOC:
         vis = vis & (s_pos[None, :] >= tl.load(DS + b * T + t, mask=row_ok, other=0)[:, None])
     acc_k, acc_v, ds = _walk_math(q, do, lse, delta, k, v, acc_k, acc_v, vis, qk_scale, MASK)
+    if I32:
+        slot = key - kq * NSEL
+    else:
+        slot = key - (key // NSEL) * NSEL  # only the stores below read it
     if STORE_DS:
         d_row = (((b * HKV + kv) * T + t) * NSEL + slot) * G + g
         tl.store(DSB + d_row[:, None] * LP + sj[None, :], ds, mask=row_ok[:, None] & (sj[None, :] < LP))
