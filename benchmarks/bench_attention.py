@@ -221,12 +221,17 @@ def sweep(cfg, T):
 PEAK_TFLOPS = 790  # dense bf16 matmul measured on these H100/H200s (8192^3, docs/anchors and KINDS.md)
 
 
+def host_bound(wall, kern) -> bool:
+    """A row whose wall time is above HOST_BOUND x its GPU kernel time: it measures the eager op's launches."""
+    return bool(wall and kern and wall > HOST_BOUND * kern)
+
+
 def kernel_ratio(r) -> str:
     """For a host-bound row (wall time above HOST_BOUND x its kernels: the eager op's launches at batch 1), the
     ratio that a CUDA-graphed training step pays instead: SDPA's wall time over NSA's kernel time. The verdict
     stays on the wall times; this says how far the kernels themselves are from it."""
     wall, kern, sdpa = r.get("nsa_fwdbwd_ms"), r.get("nsa_fwdbwd_kernel_ms"), r.get("sdpa_fwdbwd_ms")
-    if not (wall and kern and sdpa) or wall <= HOST_BOUND * kern:
+    if not (sdpa and host_bound(wall, kern)):
         return ""
     return f" (host-bound; SDPA wall / NSA kernels {sdpa / kern:.2f}x)"
 
@@ -294,7 +299,7 @@ def write(out_dir, payload):
             g = r.get
             fla_status = g("fla_parallel_nsa", "-").split(" (")[0]
             wall, kern = g("nsa_fwdbwd_ms"), g("nsa_fwdbwd_kernel_ms")
-            host = " (host-bound)" if wall and kern and wall > HOST_BOUND * kern else ""
+            host = " (host-bound)" if host_bound(wall, kern) else ""
             lines.append(f"| {r['config']} | {r['T']} | {fmt(g('nsa_fwd_ms'))} | {fmt(wall)} | {fmt(kern)}{host} | "
                          f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
                          f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "

@@ -76,17 +76,21 @@ def compile_sm90(fn, consts: dict, pointers: dict, num_warps: int, num_stages: i
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile ``fn`` for sm_90 (compile_sm90) -> registers, stack bytes, shared bytes, LDL/STL/HGMMA counts."""
-    k = compile_sm90(fn, consts, pointers, num_warps, num_stages)
+def usage_and_sass(k) -> tuple[dict, str]:
+    """A compiled kernel's cubin through cuobjdump -> (parse_usage of its resource line, its SASS listing)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        usage = parse_usage(subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
-                                           capture_output=True, text=True, check=True).stdout)
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout.splitlines()
-    count = {op: sum(f" {op}" in line for line in sass) for op in ("HGMMA", "LDL", "STL")}
+        run = lambda *a: subprocess.run([os.path.join(BIN, "cuobjdump"), *a, f.name], capture_output=True,  # noqa: E731
+                                        text=True, check=True).stdout
+        return parse_usage(run("--dump-resource-usage")), run("-sass")
+
+
+def compile_kernel(fn, consts: dict, pointers: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` for sm_90 (compile_sm90) -> registers, stack bytes, shared bytes, LDL/STL/HGMMA counts."""
+    k = compile_sm90(fn, consts, pointers, num_warps, num_stages)
+    usage, sass = usage_and_sass(k)
+    count = {op: sum(f" {op}" in line for line in sass.splitlines()) for op in ("HGMMA", "LDL", "STL")}
     return dict(regs=usage.get("REG"), stack=usage.get("STACK"), shared=k.metadata.shared, **count)
 
 

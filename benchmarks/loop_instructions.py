@@ -21,15 +21,13 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from kernel_resources import BIN, POINTERS, SEL_POINTERS, compile_sm90, parse_usage  # noqa: E402
+from kernel_resources import POINTERS, SEL_POINTERS, compile_sm90, usage_and_sass  # noqa: E402
 
 from nsa_titan.kernels import band_bwd, selected_blocks, selected_bwd  # noqa: E402
 
@@ -76,12 +74,7 @@ def sass_loops(sass: str) -> list[dict]:
 def measure(name: str, i32: bool) -> dict:
     fn, consts, pointers, warps, stages = CASES[name]
     k = compile_sm90(fn, dict(consts, I32=i32), pointers, warps, stages, int_div16=DIV16)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        run = lambda *a: subprocess.run([os.path.join(BIN, "cuobjdump"), *a, f.name], capture_output=True,  # noqa: E731
-                                        text=True, check=True).stdout
-        usage, sass = parse_usage(run("--dump-resource-usage")), run("-sass")
+    usage, sass = usage_and_sass(k)
     return dict(case=name, i32_rows=i32, regs=usage.get("REG"), stack=usage.get("STACK"), loops=sass_loops(sass))
 
 
