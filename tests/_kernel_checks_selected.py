@@ -19,7 +19,8 @@ from _kernel_cases import (
 def _blocks_fwd_check(device):
     """The block-centric selected forward (selected_blocks.py) against the token-centric one, every case: one tile
     of 32 rows per program, and three tiles of 16 rows (the loop over a program's tiles, its last chunk of a
-    block part-full), that one also with 32-bit row arithmetic (i32_rows), which must give the same bits."""
+    block part-full), that one also with 64-bit row arithmetic (i32_rows off; on by default), which must give the
+    same bits."""
     import torch
 
     from nsa_titan.kernels import selected
@@ -39,10 +40,11 @@ def _blocks_fwd_check(device):
             fin = torch.isfinite(lse_tok)
             err = max(rel_err(o_blk, o_tok), float((lse_blk[fin] - lse_tok[fin]).abs().max()))
             w = max(w, err if same_inf and err < TOL[case[8]] else float("inf"))
-        # 32-bit row arithmetic from each batch's bases (i32_rows): the same addresses, so the same bits
-        i32 = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
-                               cfg=dict(tiled_cfg, i32_rows=True), doc_start=x["doc"])
-        if not (torch.equal(i32[0], tiled[0]) and torch.equal(i32[1], tiled[1])):
+        # 64-bit row arithmetic (i32_rows off) against the default 32 bits from each batch's bases: the same
+        # addresses, so the same bits
+        i64 = selected.sel_fwd(x["q"], x["ks"], x["vs"], x["idx"], x["p"].slc_block,
+                               cfg=dict(tiled_cfg, i32_rows=False), doc_start=x["doc"])
+        if not (torch.equal(i64[0], tiled[0]) and torch.equal(i64[1], tiled[1])):
             w = float("inf")
         worst[case[0]] = w
         # the gate mix in the merge's epilogue (attempt 85): combine_fwd's bits, o and lse unchanged

@@ -236,13 +236,13 @@ def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg
     """-> (ROWS, BK, triton launch kwargs, tma). An explicit cfg (a sweep) overrides everything; its ``split``
     (default True) turns the mask-free interior tiles on or off (off: every tile masked, for A/B runs), its
     ``tma`` (default: on a GPU) the key/value tiles' loads through tensor descriptors (tma.py), its ``i32_rows``
-    (band_dkdv only, default off) the query tiles' row arithmetic in 32 bits (attempt 95).
+    (band_dkdv only, default on; pointer loads, where fits_i32) the query tiles' row arithmetic in 32 bits (attempt 95).
     The table is keyed by next_pow2(G); rows stay a power of two (a tl.arange length), at least 16 (the
     smallest MMA tile)."""
     c = dict(launch_cfg(kernel, pow2(G), dmax, windowed, x.device.type == "cuda"), **(cfg or {}))
     kw = dict(num_warps=c["num_warps"], num_stages=c["num_stages"], SPLIT=bool(c.get("split", True)))
     if kernel == "band_dkdv":  # its query tiles' row arithmetic in 32 bits (band_bwd; the caller checks the sizes)
-        kw["I32"] = bool(c.get("i32_rows", False))
+        kw["I32"] = bool(c.get("i32_rows", True))
     return max(pow2(c["rows"]), 16), c["BK"], kw, bool(c.get("tma", x.device.type == "cuda"))
 
 

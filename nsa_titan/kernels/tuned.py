@@ -63,8 +63,11 @@ TUNED: dict[tuple, dict] = {
     ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dkdv", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     # Selected dK/dV (selected_bwd.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
-    # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13.
-    ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=2),
+    # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13. m7c with 3 stages since
+    # its row arithmetic is 32-bit (attempt 95; sweep_selected_walk_m7c_i32_s26_*: 0.766 -> 0.740 ms, batch 2),
+    # profiled against 2 stages (ab_profile_walk_st3_m7c_s26_*, 2 rounds): walk 0.527 -> 0.503 ms at 8k batch 2,
+    # 2.213 -> 2.092 at 32k.
+    ("sel_dkdv", 8, 64, False): dict(rows=64, num_warps=4, num_stages=3),
     # Selection (select.py): the default 128 rows / 4 warps / 3 stages is fastest for the 1b, qwen7b and the paper
     # config since its overlap map is an fp32 FMA dot (H100, 8k batch 2, select_precision_H100.md: the 1b 0.156 ms
     # with 64 rows, 0.138 with 128; it had its own 64-row entry while the map ran as a tf32 dot). m7c (G 6, head
@@ -90,8 +93,10 @@ TUNED: dict[tuple, dict] = {
     # 1.931 ms (sweep_selected_prefetch_*). mask_split (the walk's steps past a block's own tokens without the causal
     # mask), profiled against the parent (ab_profile_masksplit_*): the walk 1.001 -> 0.920 ms at 1b 8k batch 2, 2.090
     # -> 1.984 at 32k. Not for m7c (0.549 -> 0.588, ab_profile_maskfree_walk_8k) nor qwen7b (1.111 -> 1.089 at 8k but
-    # 2.784 -> 2.882 at 32k).
-    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
+    # 2.784 -> 2.882 at 32k). Its row arithmetic stays 64-bit: with i32_rows (attempt 95, on by default) the G 16 walk
+    # ran slower, 1b 8k batch 2 0.931 -> 0.972 ms, paper 8k 1.984 -> 2.059 (ab_profile_i32_1b_qwen_paper_s26_*), where
+    # m7c's walk gained 0.557 -> 0.521 and qwen7b's 2.200 -> 1.990.
+    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True, i32_rows=False),
     # Token-centric forward and dQ recompute with K/V through tensor descriptors (selected.py, attempt 62), H100
     # batch 2 (sweep_selected_tma_s15_*), forward 8k / 32k: 1b 1.025 -> 0.967 / 4.335 -> 4.162 ms (one block per
     # step; two: 0.970 / 4.170), paper config 4.05 -> 3.65 / 17.41 -> 16.35. The whole selected backward with dQ
