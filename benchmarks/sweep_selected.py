@@ -112,7 +112,14 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                dict(algo="ds", NT=4, tma=True, num_warps=8, num_stages=2),
                dict(algo="recompute", NT=4, tma=True, num_warps=4, num_stages=2),
                dict(algo="recompute", NT=4, tma=True, num_warps=4, num_stages=3),
-               dict(algo="recompute", NT=4, tma=True, num_warps=8, num_stages=2)],
+               dict(algo="recompute", NT=4, tma=True, num_warps=8, num_stages=2),
+               # groups of <= 8 heads (qwen7b's G 7, 8 rows a token): eight tokens fill the 64 MMA rows
+               dict(algo="ds", NT=8, tma=True, num_warps=4, num_stages=2),
+               dict(algo="ds", NT=8, tma=True, num_warps=4, num_stages=3),
+               dict(algo="ds", NT=8, tma=True, num_warps=8, num_stages=2),
+               dict(algo="recompute", NT=8, tma=True, num_warps=4, num_stages=2),
+               dict(algo="recompute", NT=8, tma=True, num_warps=8, num_stages=2),
+               dict(algo="recompute", NT=8, tma=True, num_warps=8, num_stages=3)],
     # dK/dV: chunk_tiles = query tiles per chunk of a block's pair list (default: ~4 chunks per SM, >= 64)
     "sel_dkdv": [dict(rows=128, num_warps=8, num_stages=2), dict(rows=64, num_warps=4, num_stages=2),
                  dict(rows=128, num_warps=8, num_stages=2, chunk_tiles=8),

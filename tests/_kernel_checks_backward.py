@@ -56,10 +56,10 @@ def _sel_dq_ds_tma_check(device):
 
 def _sel_dq_tokens_check(device):
     """dQ for four neighbouring tokens as one tile (selected_dq, attempt 80: _sel_bwd_dq_ds_tokens from the stored
-    dS, _sel_bwd_dq_tokens recomputed) against one token per program from the stored dS (the paths agree to 1e-5 in
-    fp32: sel_bwd_paths), every case whose groups of four chose different blocks (T not a multiple of 4; documents;
-    fp16), pointer loads, and K (and V) through descriptors in the G 16 case with free slots: each token's blocks
-    summed in another order, so a float bound."""
+    dS, _sel_bwd_dq_tokens recomputed) and of eight both ways, against one token per program from the stored
+    dS (the paths agree to 1e-5 in fp32: sel_bwd_paths), every case whose groups of four chose different blocks (T
+    not a multiple of 4; documents; fp16), pointer loads, and K (and V) through descriptors in the G 16 case with
+    free slots: each token's blocks summed in another order, so a float bound."""
     from nsa_titan.kernels import selected_bwd
 
     def groups_differ(idx):  # some group of 4 tokens chose different blocks: the union code runs
@@ -79,15 +79,17 @@ def _sel_dq_tokens_check(device):
             ref = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
                                        cfg_dq=dict(algo="ds", NPI=1, tma=False, NT=1),
                                        doc_start=x["doc"])[0]
-            for algo in ("ds", "recompute"):
+            # NT 8: groups of <= 8 heads (qwen7b's G 7) fill 64 MMA rows with eight tokens
+            for algo, nt in (("ds", 4), ("recompute", 4), ("ds", 8), ("recompute", 8)):
                 for use in (False, True) if case in DS_TMA_CASES else (False,):
                     got = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                               cfg_dq=dict(algo=algo, NT=4, tma=use), doc_start=x["doc"])[0]
-                    worst[case[0], algo, use] = rel_err(got, ref)
+                                               cfg_dq=dict(algo=algo, NT=nt, tma=use), doc_start=x["doc"])[0]
+                    worst[case[0], algo, nt, use] = rel_err(got, ref)
     bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES + DS_TMA_CASES}
-    ran = {(algo, use) for _, algo, use in worst}
-    return {"ok": len({k[0] for k in worst}) >= 6 and len(ran) == 4 and all(w < bound[k[0]] for k, w in worst.items()),
-            "skipped": skipped, "worst": {f"{k[0]}_{k[1]}{'_tma' if k[2] else ''}": w for k, w in worst.items()}}
+    ran = {(algo, nt, use) for _, algo, nt, use in worst}
+    return {"ok": len({k[0] for k in worst}) >= 6 and len(ran) == 8 and all(w < bound[k[0]] for k, w in worst.items()),
+            "skipped": skipped,
+            "worst": {f"{k[0]}_{k[1]}_nt{k[2]}{'_tma' if k[3] else ''}": w for k, w in worst.items()}}
 
 
 def _sel_bwd_paths_check(device):

@@ -88,7 +88,9 @@ TUNED: dict[tuple, dict] = {
     ("select", 8, 64, False): dict(rows=128, CI=64, num_warps=4, num_stages=3, tma=True),
     ("select", 8, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=2, tma=True),
     ("select", 16, 128, False): dict(rows=128, CI=64, num_warps=4, num_stages=2, tma=True),
-    ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=2),
+    # qwen7b's walk with 3 stages since its row arithmetic is 32-bit (attempt 95): whole selected backward at 8k batch 2
+    # 3.867 -> 3.789 ms (sweep_selected_walk_qwen_i32_s26_*).
+    ("sel_dkdv", 8, 128, False): dict(rows=64, num_warps=4, num_stages=3),
     # 1b (G 16, head dim 128), H100 whole selected backward at 8k batch 2: 128 rows / 8 warps / 2 stages 2.108 ->
     # 1.931 ms (sweep_selected_prefetch_*). mask_split (the walk's steps past a block's own tokens without the causal
     # mask), profiled against the parent (ab_profile_masksplit_*): the walk 1.001 -> 0.920 ms at 1b 8k batch 2, 2.090
@@ -134,7 +136,11 @@ TUNED: dict[tuple, dict] = {
     # 1b 8k 2.10 -> 1.83 ms, 32k 8.30 -> 7.45, paper 8k 8.05 -> 6.80, 32k 33.3 -> 29.5; random queries
     # (sweep_selected_dqtok_rc_s20b_*) 1b 8k 1.92 -> 1.74, 32k 7.86 -> 8.21, paper 8k 7.35 -> 6.56, 32k 32.2 -> 33.0.
     ("sel_dq", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=2),
-    ("sel_dq", 8, 128, False): dict(tma=True),
+    # qwen7b (G 7) recomputes dQ where dS does not fit (from ~37k tokens per step) for eight neighbouring tokens per
+    # program (64 MMA rows of 8-row groups) since the twenty-sixth session. H100, whole selected backward at 32k batch 1
+    # (sweep_selected_dqrc_qwen32k*_s26_*): 11.51 -> 10.93 ms on random queries, 12.72 -> 8.30 on queries correlated
+    # at 0.9 (a trained model's overlap); four tokens 13.22 / 10.60, eight at 8 warps 22.3 / 14.3.
+    ("sel_dq", 8, 128, False): dict(tma=True, NT=8, num_warps=4, num_stages=2),
     # The window's and the compressed branch's dQ in one launch (band_dq2.band_dq2, attempt 82) since the twenty-
     # first session. H100, batch 2, two band_bwd calls -> one (sweep_band_dq2_*_s21): 1b 8k 0.524 -> 0.416 ms,
     # 16k 1.133 -> 0.970, 32k 2.747 -> 2.544 (many_keys); paper 8k 1.972 -> 1.578, 16k 4.366 -> 4.005, 32k 11.58 ->
@@ -166,5 +172,9 @@ TUNED: dict[tuple, dict] = {
     # batch 1 2.417 -> 2.128 ms, batch 2 4.688 -> 4.139 (sweep_selected_dsdq_tma_qwen_b{1,2}_s16_*); profiled with 2
     # blocks per step and 4 warps (ab_profile_dsdq_tma_qwen_s16_*): `_sel_bwd_dq_ds` 1.181 -> 0.902 ms at batch 1
     # (attention 1.060x), 2.306 -> 1.786 at batch 2 (1.054x); this shape was 1-2 % faster again in the sweeps.
-    ("sel_dq_ds", 8, 128, False): dict(tma=True, NPI=1, num_warps=2, num_stages=3),
+    # Since the twenty-sixth session eight neighbouring tokens per program (64 MMA rows of 8-row groups) over their
+    # blocks' union (selected_dq._sel_bwd_dq_ds_tokens). H100, whole selected backward
+    # (sweep_selected_dqds_qwen*_s26_*): 8k batch 2 3.87 -> 3.38 ms on random queries, 4.09 -> 3.24 on queries
+    # correlated at 0.9; 32k batch 1 8.44 -> 7.92.
+    ("sel_dq_ds", 8, 128, False): dict(tma=True, NT=8, num_warps=4, num_stages=3),
 }
