@@ -151,6 +151,12 @@ TUNED: dict[tuple, dict] = {
     ("band_dq2", 16, 128, False): dict(rows=64, BK=32, num_warps=4, num_stages=3,
                                        many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4)),
     ("band_dq2", 8, 64, False): dict(rows=64, BK=32, num_warps=4, num_stages=3),
+    # qwen7b (G 7, head dim 128) since the twenty-sixth session (it ran two band_bwd dQ calls before). H100, batch 2,
+    # two calls -> one (sweep_band_dq2_qwen_s26_*): 8k 0.940 -> 0.727 ms (64/32/4/3), 32k 5.12 -> 4.58 (128/64/8/4; 5.03
+    # with 64/32/4/3). Profiled against two calls at 64/32/4/3 (ab_profile_qwen_dq2_s26_*, 2 rounds): 0.922 -> 0.697
+    # ms at 8k (attention 1.036x), 5.42 -> 4.97 at 32k.
+    ("band_dq2", 8, 128, False): dict(rows=64, BK=32, num_warps=4, num_stages=3,
+                                      many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4)),
     # dQ from the stored dS (where it fits selected.DS_BUDGET, 2 GiB: the 1b up to 64k tokens per step, the paper
     # config up to 16k, qwen7b up to ~37k) with K and each slot's [G, l'] dS through descriptors (attempt 67), one
     # block per MMA, 2 warps, 3 stages. H100, whole selected backward, batch 2 (sweep_selected_dsdq_tma_s16_*):
