@@ -37,11 +37,11 @@ FWD_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEYS": "*i32", "OFF":
 CASES = {  # name: (kernel, constexprs, pointers, warps, stages) as the model launches them on an H100 (tuned.py)
     "walk_m7c": (selected_bwd._sel_bwd_dkdv, dict(LP=64, BS=64, NSEL=16, G=6, GS=6, BT=10, ROWS=64, DK=64, DV=64,
                                                   DKP=64, DVP=64, STORE_DS=False, STORE_DQ=True, DOC=False,
-                                                  MASK_SPLIT=False), dict(SEL_POINTERS, DQP="*bf16"), 4, 2),
+                                                  MASK_SPLIT=False), dict(SEL_POINTERS, DQP="*bf16"), 4, 3),
     "walk_m7c_mask_split": (selected_bwd._sel_bwd_dkdv, dict(LP=64, BS=64, NSEL=16, G=6, GS=6, BT=10, ROWS=64, DK=64,
                                                              DV=64, DKP=64, DVP=64, STORE_DS=False, STORE_DQ=True,
                                                              DOC=False, MASK_SPLIT=True),
-                            dict(SEL_POINTERS, DQP="*bf16"), 4, 2),  # attempt 58's mask-free steps (off for m7c)
+                            dict(SEL_POINTERS, DQP="*bf16"), 4, 3),  # attempt 58's mask-free steps (off for m7c)
     "walk_1b": (selected_bwd._sel_bwd_dkdv, dict(LP=64, BS=64, NSEL=16, G=16, GS=16, BT=4, ROWS=64, DK=128, DV=128,
                                                  DKP=128, DVP=128, STORE_DS=True, STORE_DQ=False, DOC=False,
                                                  MASK_SPLIT=True), SEL_POINTERS, 4, 3),
