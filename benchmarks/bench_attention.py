@@ -367,7 +367,9 @@ def main():
                  (1, 4099, 32, 1, 192, 128, NSAParams(32, 16, 64, 16, 512), 512),  # G=32, Dk != Dv
                  (1, 8192, 64, 4, 128, 128, PAPER["p"], 256),
                  (1, 16384, 12, 2, 64, 64, M7C["p"], 1024),
-                 (8, 2048, 12, 2, 64, 64, M7C["p"], 1024)]  # m7c's 2k batch 8: the selected branch's causal prefix
+                 (8, 2048, 12, 2, 64, 64, M7C["p"], 1024),  # m7c's 2k batch 8: the selected branch's causal prefix
+                 # G 7 at head dim 128 (qwen7b's group): dQ for eight tokens per program, the band dQ in one launch
+                 (2, 4096, 14, 2, 128, 128, PAPER["p"], 512)]
         if not a.quick:
             cases.append((1, 65536, 16, 1, 128, 128, PAPER["p"], 512))
         budget = int(a.dq_buffer_gib * 2**30)
