@@ -121,6 +121,27 @@ def test_i32_rows_only_where_one_batch_of_every_buffer_stays_below_2_31():
     assert fits_i32(wide[:, :65536], 1)  # its last element is 2^31 - 24,577 past the batch's first
 
 
+def test_i32_rows_is_the_default_but_not_for_the_g16_walk():
+    """Attempt 95's 32-bit row arithmetic is on by default in the selected kernels' launch shapes and the band dK/dV;
+    tuned.py turns it off for the G 16 walk, which ran slower with it (1b 8k batch 2 0.931 -> 0.972 ms); an
+    explicit cfg (a sweep) still decides."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import band, selected
+
+    def cfg(G, D, explicit=None):
+        q, k = torch.empty(1, 64, 2 * G, D, device="meta"), torch.empty(1, 64, 2, D, device="meta")
+        return selected._cfg("sel_dkdv", q, k, G, 16, 64, explicit)
+
+    assert cfg(6, 64)["i32_rows"] and cfg(7, 128)["i32_rows"]  # m7c's and qwen7b's walks
+    assert not cfg(16, 128)["i32_rows"]  # the 1b's and the paper config's walk
+    assert cfg(16, 128, dict(i32_rows=True))["i32_rows"]
+    x = torch.empty(1, 64, 12, 64, device="meta")
+    assert band._launch("band_dkdv", 6, 64, True, x, None)[2]["I32"]
+    assert not band._launch("band_dkdv", 6, 64, True, x, dict(i32_rows=False))[2]["I32"]
+
+
 def test_band_bwd_refuses_an_unknown_part_before_launching():
     """band_bwd's ``parts`` (the halves the NSA op runs on two streams) accepts 'all', 'dq' and 'dkdv' only; a typo
     would otherwise silently run both halves."""
