@@ -239,7 +239,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
         BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
-        I32=bool(lc.get("i32_rows", False)) and fits_i32(q, T * HKV * n * G * DV),
+        I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * DV),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     o = q.new_empty(B, T, HQ, DV)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
