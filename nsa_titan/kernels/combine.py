@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_titan.kernels.launch import run
+
 
 def pow2(x: int) -> int:
     return 1 << max(0, (max(1, x) - 1).bit_length())
@@ -103,7 +105,7 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = a.numel() // max(d, 1)
     out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
     br = _rows_per_program(a, d)
-    _rowdot[(triton.cdiv(n, br),)](a, b, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
+    run(_rowdot, (triton.cdiv(n, br),), a, b, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
     return out
 
 
@@ -124,7 +126,7 @@ def combine_fwd(o_c, o_s, o_w, gates, out=None):
     n = o_c.numel() // d
     out = torch.empty_like(o_c) if out is None else out
     br = _rows_per_program(o_c, d)
-    _combine_fwd[(triton.cdiv(n, br),)](o_c, o_s, o_w, gates, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
+    run(_combine_fwd, (triton.cdiv(n, br),), o_c, o_s, o_w, gates, out, n, D=d, DP=pow2(max(d, 16)), BR=br)
     return out
 
 
@@ -143,8 +145,8 @@ def combine_bwd(dout, o_c, o_s, o_w, gates, lses):
     delta = torch.empty((3, *o_c.shape[:-1]), device=o_c.device, dtype=torch.float32)
     lse_g = torch.empty_like(delta)
     br = _rows_per_program(o_c, d)
-    _combine_bwd[(triton.cdiv(n, br),)](dout, o_c, o_s, o_w, gates, *(x.contiguous() for x in lses), dg, delta,
-                                        lse_g, n, D=d, DP=pow2(max(d, 16)), BR=br)
+    run(_combine_bwd, (triton.cdiv(n, br),), dout, o_c, o_s, o_w, gates, *(x.contiguous() for x in lses), dg, delta,
+        lse_g, n, D=d, DP=pow2(max(d, 16)), BR=br)
     return dg.to(gates.dtype), delta, lse_g
 
 
@@ -173,5 +175,5 @@ def add_splits(part, x) -> None:
                          f"(contiguous={x.is_contiguous()})")
     n = B * S * H
     if n:
-        _add_splits[(triton.cdiv(n, 64),)](part, x, n, S, x.shape[1], H, nsplit, D=D, DP=pow2(max(D, 16)), BR=64,
-                                           num_warps=4)
+        run(_add_splits, (triton.cdiv(n, 64),), part, x, n, S, x.shape[1], H, nsplit, D=D, DP=pow2(max(D, 16)), BR=64,
+            num_warps=4)

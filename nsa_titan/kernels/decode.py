@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_titan.kernels.launch import run
+
 __all__ = ["DecodeWorkspace", "nsa_decode_attend", "supported"]
 
 
@@ -278,13 +280,13 @@ def nsa_decode_attend(q, new, caches, gates, ws: DecodeWorkspace, t: int, p) -> 
     scale = dk**-0.5
     # fp32 caches: full-precision dots, as torch's fp32 matmuls (tf32 scores flip near-tied block choices)
     prec = "ieee" if k_slc.dtype == torch.float32 else "tf32"
-    _split_kernel[(b * hkv, ncs + nws)](
+    run(_split_kernel, (b * hkv, ncs + nws),
         q, k_cmp, v_cmp, k_win, v_win, k_slc, v_slc, k_raw, v_raw, k_w, v_w, k_s, v_s, k_r, v_r,
         ws.scores, ws.part_m, ws.part_l, ws.part_acc, t, nc, m_win, ncs, tps, t % p.window, t % p.cmp_block, scale,
         *[x for c in (k_cmp, v_cmp, k_win, v_win, k_slc, v_slc, k_raw, v_raw) for x in (c.stride(1), c.stride(2))],
         *[x for n in (k_w, v_w, k_s, v_s, k_r, v_r) for x in (n.stride(0), n.stride(2))], ws.scores.stride(1),
         HKV=hkv, G=g, GP=ws.gp, D=dk, DV=dv, BC=ws.bc, BW=ws.bw, NSP=ws.nsp, PREC=prec, num_warps=4)
-    _finish_kernel[(b * hkv,)](
+    run(_finish_kernel, (b * hkv,),
         q, k_slc, v_slc, gates, out, ws.scores, ws.part_m, ws.part_l, ws.part_acc, ws.psum,
         t, nc, cur, k_sel, ncs, nws, scale, k_slc.stride(1), k_slc.stride(2), v_slc.stride(1), v_slc.stride(2),
         ws.scores.stride(1), ws.psum.stride(0),

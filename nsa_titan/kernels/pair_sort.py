@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.launch import run
 
 CHUNK = 1024  # pairs per program: counts has NB + 1 entries per chunk, so fewer chunks keep its scan small
 # sorted_pair_keys' default since the twenty-second session's H100 A/B (NOTES_kernels.md, attempt 86:
@@ -99,11 +100,11 @@ def counting_sort_pair_keys(block_idx: torch.Tensor, nb: int, dtype: torch.dtype
     ch = min(CHUNK, max(16, pow2(tn)))
     nchunk = triton.cdiv(tn, ch)
     counts = torch.empty(rows, nb + 1, nchunk, device=idx.device, dtype=torch.int32)
-    _pair_count[(nchunk, rows)](idx, counts, tn, nb, nchunk, CH=ch, NBP=pow2(nb + 2), num_warps=4)
+    run(_pair_count, (nchunk, rows), idx, counts, tn, nb, nchunk, CH=ch, NBP=pow2(nb + 2), num_warps=4)
     # inclusive, over every row in (row, bucket, chunk) order; its last entry is rows * T*n
     csum = torch.cumsum(counts.view(-1), 0, dtype=torch.int32 if rows * tn < 2**31 else torch.int64)
     keys = torch.empty(rows, tn, device=idx.device, dtype=dtype)
-    _pair_scatter[(nchunk, rows)](idx, counts, csum, keys, tn, nb, nchunk, CH=ch, num_warps=4)
+    run(_pair_scatter, (nchunk, rows), idx, counts, csum, keys, tn, nb, nchunk, CH=ch, num_warps=4)
     return keys
 
 
@@ -229,7 +230,7 @@ def sorted_pair_keys(block_idx: torch.Tensor, nb: int, method: str | None = None
         raise ValueError(f"sorted_pair_keys method={method!r}: use 'radix' or 'counting'")
     keys = torch.empty(B * HKV, tn, device=block_idx.device, dtype=pair_key_dtype(nb, tn))
     blk = 1024
-    _pair_keys_kernel[(triton.cdiv(tn, blk), B * HKV)](block_idx, keys, tn, nb, BLOCK=blk, num_warps=4)
+    run(_pair_keys_kernel, (triton.cdiv(tn, blk), B * HKV), block_idx, keys, tn, nb, BLOCK=blk, num_warps=4)
     return torch.sort(keys, dim=-1).values
 
 
@@ -245,6 +246,6 @@ def block_pairs(block_idx: torch.Tensor, nb: int, bt: int, keys: torch.Tensor | 
     off, coff, poff = (torch.empty(B * HKV, nb + 1, device=dev, dtype=torch.int32) for _ in range(3))
     prog = torch.empty(B * HKV, nch, device=dev, dtype=torch.int32)
     bb = 256 if dev.type == "cuda" else 64
-    _pair_table[(B * HKV,)](keys, off, coff, poff, tn, nb, bt, LOGK=tn.bit_length(), BB=bb, num_warps=4)
-    _pair_prog[(triton.cdiv(nch, bb), B * HKV)](coff, prog, nb, nch, LOGB=nb.bit_length(), BB=bb, num_warps=4)
+    run(_pair_table, (B * HKV,), keys, off, coff, poff, tn, nb, bt, LOGK=tn.bit_length(), BB=bb, num_warps=4)
+    run(_pair_prog, (triton.cdiv(nch, bb), B * HKV), coff, prog, nb, nch, LOGB=nb.bit_length(), BB=bb, num_warps=4)
     return keys, off, coff, poff, prog

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.combine import fits_i32, mix_operands, mix_rows, pow2
+from nsa_titan.kernels.launch import run
 from nsa_titan.kernels.pair_sort import block_pairs
 
 
@@ -235,7 +236,7 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     keys, off, coff, _, prog = block_pairs(block_idx, nb, bt * tiles)
     op = q.new_empty(B, T, HKV, n, G, DV)  # every used slot is written; unused ones are masked in the merge
     lp = torch.empty(B, T, HKV, n, G, device=q.device, dtype=torch.float32)
-    _sel_fwd_blocks[(prog.shape[1], B * HKV)](
+    run(_sel_fwd_blocks, (prog.shape[1], B * HKV),
         q, k, v, keys, off, coff, prog, op, lp, lp if doc_start is None else doc_start, *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], T, nb, G, HKV, prog.shape[1], q.shape[-1] ** -0.5 * 1.4426950408889634,
         BT=bt, ROWS=rows, TILES=tiles, **consts, DOC=doc_start is not None,
@@ -246,9 +247,8 @@ def sel_fwd_blocks(q, k, v, block_idx, slc_block: int, consts: dict, lc: dict, d
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DV)
     oc, ow, gates, out = mix_operands(mix, o, before_mix)
-    _sel_merge[(triton.cdiv(T, mt), B * HKV)](op, lp, block_idx, o, lse, oc, ow, gates, out, T, G, HKV, NSEL=n,
-                                              NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"], MIX=mix is not None,
-                                              num_warps=4)
+    run(_sel_merge, (triton.cdiv(T, mt), B * HKV), op, lp, block_idx, o, lse, oc, ow, gates, out, T, G, HKV, NSEL=n,
+        NP=pow2(n), BT=mt, GP=gp, DV=DV, DVP=consts["DVP"], MIX=mix is not None, num_warps=4)
     return o, lse, keys
 
 
@@ -258,5 +258,5 @@ def sel_dq_sum(dqp: torch.Tensor, block_idx: torch.Tensor, dq: torch.Tensor, sm_
     B, T, HKV, n, G, DK = dqp.shape
     gp = pow2(G)
     mt = _slot_tokens(gp, n, DK)
-    _sel_dq_sum[(triton.cdiv(T, mt), B * HKV)](dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, NP=pow2(n), BT=mt,
-                                               GP=gp, DK=DK, DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)
+    run(_sel_dq_sum, (triton.cdiv(T, mt), B * HKV), dqp, block_idx, dq, T, G, HKV, sm_scale, NSEL=n, NP=pow2(n), BT=mt,
+        GP=gp, DK=DK, DKP=pow2(max(DK, 16)), ACC=acc, num_warps=4)

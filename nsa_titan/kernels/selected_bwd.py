@@ -26,6 +26,7 @@ import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import fits_i32, pow2, rowdot
+from nsa_titan.kernels.launch import run
 from nsa_titan.kernels.pair_sort import block_pairs
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
 from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_dq_sum, slot_row
@@ -268,15 +269,15 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
         dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
-    _sel_bwd_dkdv[(prog.shape[1], B * HKV)](
+    run(_sel_bwd_dkdv, (prog.shape[1], B * HKV),
         q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G, HKV,
         prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
         STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
         I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
         num_warps=lc["num_warps"], num_stages=lc["num_stages"])
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
-    _sel_bwd_reduce[(nb, B * HKV, bs // rb)](pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs, RB=rb,
-                                              DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
+    run(_sel_bwd_reduce, (nb, B * HKV, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs,
+        RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
     if algo == "ds":
         gr = max(16, pow2(G))
         # Descriptors where a slot's dS rows are l' = BS wide: a [GR, l'] box from the slot's first row. With G < GR

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from nsa_titan.kernels.combine import pow2
+from nsa_titan.kernels.launch import run
 
 try:  # host-side tensor descriptors (Triton >= 3.3); without them every load is a pointer load
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -32,7 +33,22 @@ def descriptor(x: torch.Tensor, shape: list, strides: list, box: list):
         return None
     if any(st * x.element_size() % 16 for st in strides[:-1]):
         return None
-    return TensorDescriptor(x, shape, strides, box)
+    if min(shape) <= 0:
+        return None
+    rank_box = (len(shape), len(strides), tuple(box))
+    if rank_box not in _CHECKED_BOXES:  # the dataclass's own checks, once per box shape
+        TensorDescriptor(x, shape, strides, box)
+        _CHECKED_BOXES.add(rank_box)
+    # What the dataclass would hold, without re-running its checks at every launch: the ones that depend on x
+    # (alignment, strides, a contiguous last dimension, positive sizes) are made above.
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = x, shape, strides, box, "zero"
+    return d
+
+
+# (rank, strides' length, box) of the descriptors whose box the TensorDescriptor checks have passed once (host time:
+# ~20 of an eager m7c layer's launches are made with descriptors, benchmarks/results/hostprobe_s27_*).
+_CHECKED_BOXES: set = set()
 
 
 def kv_specs(k: torch.Tensor, v: torch.Tensor, rows: int) -> dict:
@@ -51,13 +67,13 @@ def launch_tma(kernel, grid, args: tuple, specs: dict, tma: bool, const: dict):
     """``kernel[grid](*args, **const, TMA=...)`` with the arguments named in ``specs`` ({index: descriptor's
     arguments}) replaced by tensor descriptors when ``tma`` is on and every one of them can be made; with pointer
     loads otherwise, and when the compiler rejects the descriptor form (warned once per launch shape)."""
-    key = (kernel.fn.__name__, *sorted(const.items()))
+    key = (kernel.fn.__name__, *sorted(const.items())) if TMA_REJECTED else None  # built only when needed
     descs = {i: descriptor(*spec) for i, spec in specs.items()} if tma and key not in TMA_REJECTED else {}
     if descs and all(d is not None for d in descs.values()):
         try:
-            return kernel[grid](*(descs.get(i, a) for i, a in enumerate(args)), **const, TMA=True)
+            return run(kernel, grid, *(descs.get(i, a) for i, a in enumerate(args)), **const, TMA=True)
         except (triton.TritonError, RuntimeError) as e:  # a compiler failure; a real error recurs below
-            TMA_REJECTED.add(key)
+            TMA_REJECTED.add((kernel.fn.__name__, *sorted(const.items())))
             warnings.warn(f"{kernel.fn.__name__}: Triton could not compile the tensor-descriptor loads for {const} "
                           f"({type(e).__name__}); using pointer loads for this launch shape", stacklevel=3)
-    return kernel[grid](*args, **const, TMA=False)
+    return run(kernel, grid, *args, **const, TMA=False)

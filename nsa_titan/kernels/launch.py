@@ -1,0 +1,92 @@
+"""Kernel launches with less host time: ``run(kernel, grid, *args, **const)`` is ``kernel[grid](*args, **const)``.
+
+Why: an eager NSA forward+backward launches ~20 Triton kernels, and at m7c's 8k tokens (batch 2) the host needed
+3.1 ms to enqueue what the GPU runs in 1.9 ms (benchmarks/results/host_overhead_s27_*). Per launch, Triton 3.6's
+``JITFunction.run`` spent ~37 us of Python and its launcher ~22 us more (hostprobe_s27_*), and every model that
+does not replay CUDA graphs (data parallelism, eager) runs at that pace: the whole m7c at 8k batch 2, compiled
+without graphs, 233k tokens/s against 355k with them.
+
+What the fast path keeps, so that it launches exactly the kernel ``JITFunction.run`` would: Triton's own binder
+(the arguments' specialisation: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16) and its cache
+key, looked up in the kernel's own cache. What it skips: the per-call option and hook look-ups, the check that
+globals the kernel reads have not changed (ours are module constants), the launch metadata (built only for launch
+hooks) and the launcher's scratch allocation closures (our kernels need no scratch).
+Anything else takes the normal path: the first call of a specialisation (Triton compiles it and fills its cache),
+the CPU interpreter, launch hooks (a profiler such as proton), kernels that need scratch memory, and any Triton
+whose internals differ from those this was written against (3.5-3.6, checked by attribute, not by version; a
+Triton whose run() binds other options than ours is seen at the first compile, when our key still names nothing,
+and its kernel keeps the normal path from then on).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.jit import JITFunction, compute_cache_key
+except ImportError:  # pragma: no cover - an older Triton: every launch takes the normal path
+    _knobs = JITFunction = compute_cache_key = None
+
+
+def _fast_launcher(kernel):
+    """The C launch function of a compiled kernel and its two flags, or None when the fast path cannot call it
+    (scratch memory, an unfinished asynchronous compile, another launcher class). Memoised on the kernel."""
+    fast = getattr(kernel, "_nsa_fast", False)
+    if fast is not False:
+        return fast
+    fast = None
+    try:
+        runner = kernel.run  # loads the binary on first use (CompiledKernel._init_handles)
+        if (getattr(runner, "global_scratch_size", 1) == 0 and getattr(runner, "profile_scratch_size", 1) == 0
+                and callable(getattr(runner, "launch", None))):
+            fast = (runner.launch, runner.launch_cooperative_grid, runner.launch_pdl, kernel.function,
+                    kernel.packed_metadata)
+    except Exception:  # noqa: BLE001 - anything unexpected: the normal path, which raises real errors itself
+        fast = None
+    kernel._nsa_fast = fast
+    return fast
+
+
+def _hook_set(hook) -> bool:
+    """A launch hook is installed (Triton 3.6 keeps an always-present HookChain; older ones None or a function)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _run_options(kernel, const: dict) -> dict:
+    """The keyword arguments JITFunction.run binds with: ``const`` plus the options it adds (part of the cache key):
+    ``debug``, and since Triton 3.6 ``instrumentation_mode`` (the knob exists from that version on)."""
+    options = dict(const, debug=const.get("debug", kernel.debug) or _knobs.runtime.debug)
+    mode = getattr(_knobs.compilation, "instrumentation_mode", None)
+    if mode is not None:
+        options["instrumentation_mode"] = mode
+    return options
+
+
+def run(kernel, grid, *args, **const):
+    """``kernel[grid](*args, **const)`` (grid a tuple of 1-3 ints), through the fast path where it applies."""
+    if (compute_cache_key is None or not isinstance(kernel, JITFunction) or getattr(kernel, "_nsa_no_fast", False)
+            or not torch.cuda.is_available()):
+        return kernel[grid](*args, **const)
+    device = torch.cuda.current_device()
+    caches = kernel.device_caches.get(device)  # a defaultdict: .get makes no entry
+    if caches is None or len(caches) != 5 or _hook_set(_knobs.runtime.launch_enter_hook) or _hook_set(
+            _knobs.runtime.launch_exit_hook):
+        return kernel[grid](*args, **const)
+    kernel_cache, key_cache, _target, _backend, binder = caches
+    bound, specialization, options = binder(*args, **_run_options(kernel, const))
+    key = compute_cache_key(key_cache, specialization, options)
+    compiled = kernel_cache.get(key)
+    if compiled is None:  # Triton compiles it; if our key still names nothing, this Triton binds differently
+        out = kernel[grid](*args, **const)
+        if key not in kernel_cache:
+            kernel._nsa_no_fast = True  # every later launch of this kernel: the normal path, no second binding
+        return out
+    fast = None if hasattr(compiled, "result") else _fast_launcher(compiled)
+    if fast is None:
+        return kernel[grid](*args, **const)
+    launch, cooperative, pdl, function, packed_metadata = fast
+    n = len(grid)
+    launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+           function, cooperative, pdl, None, None, packed_metadata, None, None, None, *bound.values())
+    return compiled
