@@ -74,7 +74,7 @@ def _launches(fn) -> float:
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
-def _top_host(fn, iters: int, top: int) -> list:
+def _top_host(fn, iters: int, top: int, dump: str | None = None) -> list:
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)
     pr = cProfile.Profile()
@@ -83,6 +83,8 @@ def _top_host(fn, iters: int, top: int) -> list:
         fn()
     pr.disable()
     torch.cuda.synchronize()
+    if dump:  # the whole profile, for pstats / snakeviz elsewhere
+        pr.dump_stats(dump)
     st = pstats.Stats(pr)
     rows = []
     for (file, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
@@ -91,7 +93,7 @@ def _top_host(fn, iters: int, top: int) -> list:
     return [dict(fn=f, calls=round(c, 1), own_ms=round(tt, 4), cum_ms=round(ct, 4)) for f, c, tt, ct in rows[:top]]
 
 
-def case(name: str, T: int, B: int, iters: int) -> dict:
+def case(name: str, T: int, B: int, iters: int, dump_dir: str | None = None) -> dict:
     fn = attention_fwdbwd(name, T, B)[0]
     for _ in range(3):
         fn()
@@ -102,7 +104,8 @@ def case(name: str, T: int, B: int, iters: int) -> dict:
     row["wall_ms"] = min(_wall_ms(fn, iters) for _ in range(3))
     row["launches"] = _launches(fn)
     row["host_us_per_launch"] = row["host_ms"] * 1e3 / row["launches"]
-    row["top_host"] = _top_host(fn, iters, 30)
+    dump = os.path.join(dump_dir, f"host_{name}_{T}_{B}.pstats") if dump_dir else None
+    row["top_host"] = _top_host(fn, iters, 30, dump)
     return row
 
 
@@ -129,11 +132,14 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--dump", default=None, help="folder for each case's whole cProfile (.pstats)")
     a = ap.parse_args()
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
     rows = []
     for spec in a.cases.split(","):
         name, T, B = spec.split(":")
-        rows.append(case(name, int(T), int(B), a.iters))
+        rows.append(case(name, int(T), int(B), a.iters, a.dump))
         r = rows[-1]
         print(f"{name} T={T} B={B}: host {r['host_ms']:.2f} ms, gpu {r['gpu_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms,"
               f" {r['launches']} launches", flush=True)
