@@ -2,9 +2,9 @@
 
 Why: an eager NSA forward+backward launches ~20 Triton kernels, and at m7c's 8k tokens (batch 2) the host needed
 3.1 ms to enqueue what the GPU runs in 1.9 ms (benchmarks/results/host_overhead_s27_*). Per launch, Triton 3.6's
-``JITFunction.run`` spent ~37 us of Python and its launcher ~22 us more (hostprobe_s27_*), and every model that
-does not replay CUDA graphs (data parallelism, eager) runs at that pace: the whole m7c at 8k batch 2, compiled
-without graphs, 233k tokens/s against 355k with them.
+``JITFunction.run`` spent ~37 us of Python and its launcher ~22 us more (hostprobe_head_s27_H100.json), and every
+model that does not replay CUDA graphs (data parallelism, eager) runs at that pace: the whole m7c at 8k batch 2,
+compiled without graphs, 233k tokens/s against 355k with them (launch_fast_path_s27_H100.md: 1.14x with this path).
 
 What the fast path keeps, so that it launches exactly the kernel ``JITFunction.run`` would: Triton's own binder
 (the arguments' specialisation: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16) and its cache
@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - an older Triton: every launch takes th
 
 
 def _fast_launcher(kernel):
-    """The C launch function of a compiled kernel and its two flags, or None when the fast path cannot call it
-    (scratch memory, an unfinished asynchronous compile, another launcher class). Memoised on the kernel."""
+    """(C launch function, cooperative-grid flag, PDL flag, CUDA function, packed metadata) of a compiled kernel, or
+    None when the fast path cannot call it (scratch memory, another launcher class). Memoised on the kernel."""
     fast = getattr(kernel, "_nsa_fast", False)
     if fast is not False:
         return fast
