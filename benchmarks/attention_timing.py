@@ -48,6 +48,33 @@ def kernel_ms(fn, grad_inputs, dout) -> float:
     return profile_kernels(run, iters=3)["kernel_ms"]
 
 
+def graph_ms(fn, grad_inputs, dout) -> float:
+    """Wall time of one forward+backward replayed from a CUDA graph (do_bench median): no host launches, as in a
+    training step whose compiled blocks replay graphs (compile.mode reduce-overhead), the gaps between kernels
+    included. For host-bound rows, where the eager wall time measures the launches instead. Warm-up on a side
+    stream before capture, as torch.cuda.graph asks; the NSA op runs its side-stream fork under capture, as in the
+    model."""
+    from triton.testing import do_bench
+
+    def run():
+        for x in grad_inputs:
+            x.grad = None
+        fn().backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    del graph
+    return ms
+
+
 HOST_BOUND = 1.2  # wall / kernel time above which a row is marked host-bound
 
 

@@ -33,7 +33,7 @@ from nsa_titan.models.nsa.common import NSAParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_checks import DEV, check, make_inputs, rel  # noqa: E402  (the --check half)
-from attention_timing import HOST_BOUND, bench_fla, bench_one, kernel_ms, load_fla  # noqa: E402
+from attention_timing import HOST_BOUND, bench_fla, bench_one, graph_ms, kernel_ms, load_fla  # noqa: E402
 
 PAPER = dict(HQ=64, HKV=4, DK=128, DV=128, p=NSAParams(32, 16, 64, 16, 512))
 M7C = dict(HQ=12, HKV=2, DK=64, DV=64, p=NSAParams(32, 16, 64, 16, 512))
@@ -85,6 +85,12 @@ def bench(cfgs, Ts, dq_buffer_bytes: int = selected.DS_BUDGET):
             except Exception as e:  # OOM or a kernel failure: record it, keep benchmarking
                 row["nsa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             q, k, v = ins[0], ins[3], ins[4]
+            graphs = host_bound(row.get("nsa_fwdbwd_ms"), row.get("nsa_fwdbwd_kernel_ms"))
+            if graphs:  # its eager wall time measures launches: the same call replayed from a CUDA graph too
+                try:
+                    row["nsa_fwdbwd_graph_ms"] = graph_ms(lambda: nsa(*ins, p)[0], ins, dout)  # noqa: B023
+                except Exception as e:
+                    row["nsa_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
             def sdpa():
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -97,6 +103,11 @@ def bench(cfgs, Ts, dq_buffer_bytes: int = selected.DS_BUDGET):
                     row["sdpa_fwdbwd_GiB" if bwd else "sdpa_fwd_GiB"] = mem
             except Exception as e:
                 row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if graphs and "nsa_fwdbwd_graph_ms" in row:  # SDPA the same way, for a like-for-like ratio
+                try:
+                    row["sdpa_fwdbwd_graph_ms"] = graph_ms(sdpa, [q, k, v], dout.transpose(1, 2))
+                except Exception as e:
+                    row["sdpa_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if "nsa_fwdbwd_ms" in row and "sdpa_fwdbwd_ms" in row:
                 row["speedup_fwd"] = row["sdpa_fwd_ms"] / row["nsa_fwd_ms"]
                 row["speedup_fwdbwd"] = row["sdpa_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
@@ -233,7 +244,9 @@ def kernel_ratio(r) -> str:
     wall, kern, sdpa = r.get("nsa_fwdbwd_ms"), r.get("nsa_fwdbwd_kernel_ms"), r.get("sdpa_fwdbwd_ms")
     if not (sdpa and host_bound(wall, kern)):
         return ""
-    return f" (host-bound; SDPA wall / NSA kernels {sdpa / kern:.2f}x)"
+    gn, gs = r.get("nsa_fwdbwd_graph_ms"), r.get("sdpa_fwdbwd_graph_ms")
+    graphs = f"; both replayed from CUDA graphs {gs / gn:.2f}x ({gn:.2f} / {gs:.2f} ms)" if gn and gs else ""
+    return f" (host-bound; SDPA wall / NSA kernels {sdpa / kern:.2f}x{graphs})"
 
 
 def targets(rows):
@@ -300,6 +313,8 @@ def write(out_dir, payload):
             fla_status = g("fla_parallel_nsa", "-").split(" (")[0]
             wall, kern = g("nsa_fwdbwd_ms"), g("nsa_fwdbwd_kernel_ms")
             host = " (host-bound)" if host_bound(wall, kern) else ""
+            if host and g("nsa_fwdbwd_graph_ms"):
+                host = f" (host-bound; graph {fmt(g('nsa_fwdbwd_graph_ms'))})"
             lines.append(f"| {r['config']} | {r['T']} | {fmt(g('nsa_fwd_ms'))} | {fmt(wall)} | {fmt(kern)}{host} | "
                          f"{fmt(g('sdpa_fwd_ms'))} | {fmt(g('sdpa_fwdbwd_ms'))} | {fmt(g('speedup_fwd'))} | "
                          f"{fmt(g('speedup_fwdbwd'))} | {fmt(g('nsa_fwdbwd_TFLOPs'), '.0f')} | "
@@ -308,7 +323,9 @@ def write(out_dir, payload):
                          f"{fmt(g('nsa_vs_fla_fwdbwd'))} |")
         lines += ["", f"NSA kernels f+b ms: the GPU kernels of one forward+backward (torch.profiler); a row marked "
                   f"host-bound has a wall time above {HOST_BOUND}x that, so it measures the eager op's launches, not "
-                  "its kernels (under CUDA graphs the kernel time is what a training step pays).",
+                  "its kernels (under CUDA graphs the kernel time is what a training step pays); graph: the same "
+                  "forward+backward replayed from a CUDA graph (wall time, gaps between kernels included; runs "
+                  "since the twenty-seventh session).",
                   "", "fla-core's `parallel_nsa` runs the compressed and selected branches only (its window branch "
                   "needs flash-attn) with compression blocks of l' = 64; NSA here runs all three branches. "
                   "NSA vs fla = fla ms / NSA ms. fla-core's selected kernel needs G = HQ/HKV a power of 2 >= 16 "

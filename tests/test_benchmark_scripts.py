@@ -175,7 +175,8 @@ def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path
     payload = dict(device="H100 x", torch="t", triton="r", date="d", note="three runs, merged", bench=[
         dict(row, config="m7c", T=8192, nsa_fwdbwd_ms=2.1, nsa_fwdbwd_kernel_ms=1.3),
         dict(row, config="m7c", T=32768, nsa_fwdbwd_ms=6.0, nsa_fwdbwd_kernel_ms=5.9),
-        dict(row, config="1b", T=8192, nsa_fwdbwd_ms=2.5)])  # an older run's JSON: no kernel time
+        dict(row, config="1b", T=8192, nsa_fwdbwd_ms=2.5),  # an older run's JSON: no kernel time
+        dict(row, config="qwen7b", T=4096, nsa_fwdbwd_ms=3.8, nsa_fwdbwd_kernel_ms=2.2, nsa_fwdbwd_graph_ms=2.31)])
     mod.write(str(tmp_path), payload)
     lines = (tmp_path / "attention_H100_x.md").read_text().splitlines()
     assert lines[2].endswith("for the analysis. three runs, merged")  # a merged table says so in its header
@@ -183,6 +184,8 @@ def test_bench_attention_table_marks_rows_whose_wall_time_is_host_bound(tmp_path
     assert "| 1.30 (host-bound) |" in rows[("| m7c", "8192")]
     assert "| 5.90 |" in rows[("| m7c", "32768")] and "host-bound" not in rows[("| m7c", "32768")]
     assert "host-bound" not in rows[("| 1b", "8192")] and "| 2.50 | - |" in rows[("| 1b", "8192")]
+    qwen = next(x for x in lines if x.startswith("| qwen7b | 4096"))
+    assert "| 2.20 (host-bound; graph 2.31) |" in qwen  # a host-bound row replayed from a CUDA graph too
 
 
 def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypatch):
@@ -329,3 +332,7 @@ def test_bench_attention_targets_give_the_kernel_ratio_of_host_bound_rows_only()
     line = next(x for x in mod.targets(rows) if x.startswith("- m7c fwd+bwd vs SDPA"))
     assert "8k 0.26x (host-bound; SDPA wall / NSA kernels 0.88x) vs >= 1x: MISSED by 3.82x" in line
     assert "32k 2.46x vs >= 4x: MISSED by 1.63x" in line
+    rows[0].update(nsa_fwdbwd_graph_ms=1.2, sdpa_fwdbwd_graph_ms=0.96)  # both replayed from CUDA graphs as well
+    line = next(x for x in mod.targets(rows) if x.startswith("- m7c fwd+bwd vs SDPA"))
+    assert ("8k 0.26x (host-bound; SDPA wall / NSA kernels 0.88x; both replayed from CUDA graphs 0.80x (1.20 / 0.96 "
+            "ms)) vs >= 1x: MISSED by 3.82x") in line
