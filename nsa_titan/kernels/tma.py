@@ -33,21 +33,21 @@ def descriptor(x: torch.Tensor, shape: list, strides: list, box: list):
         return None
     if any(st * x.element_size() % 16 for st in strides[:-1]):
         return None
-    if min(shape) <= 0:
+    if min(shape) <= 0 or strides[-1] != 1:
         return None
     rank_box = (len(shape), len(strides), tuple(box))
     if rank_box not in _CHECKED_BOXES:  # the dataclass's own checks, once per box shape
         TensorDescriptor(x, shape, strides, box)
         _CHECKED_BOXES.add(rank_box)
-    # What the dataclass would hold, without re-running its checks at every launch: the ones that depend on x
-    # (alignment, strides, a contiguous last dimension, positive sizes) are made above.
+    # What the dataclass would hold, without re-running its checks at every launch: the ones that depend on x or on
+    # this call's shape and strides (alignment, a contiguous last dimension, positive sizes) are made above.
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.padding = x, shape, strides, box, "zero"
     return d
 
 
 # (rank, strides' length, box) of the descriptors whose box the TensorDescriptor checks have passed once (host time:
-# ~20 of an eager m7c layer's launches are made with descriptors, benchmarks/results/hostprobe_s27_*).
+# the checks took ~10 us per descriptor, benchmarks/results/hostprobe_head_s27_H100.json).
 _CHECKED_BOXES: set = set()
 
 
@@ -63,17 +63,22 @@ def kv_specs(k: torch.Tensor, v: torch.Tensor, rows: int) -> dict:
 TMA_REJECTED: set = set()
 
 
+def _shape_key(kernel, const: dict) -> tuple:
+    """A launch shape of a kernel, as TMA_REJECTED names it."""
+    return (kernel.fn.__name__, *sorted(const.items()))
+
+
 def launch_tma(kernel, grid, args: tuple, specs: dict, tma: bool, const: dict):
     """``kernel[grid](*args, **const, TMA=...)`` with the arguments named in ``specs`` ({index: descriptor's
     arguments}) replaced by tensor descriptors when ``tma`` is on and every one of them can be made; with pointer
     loads otherwise, and when the compiler rejects the descriptor form (warned once per launch shape)."""
-    key = (kernel.fn.__name__, *sorted(const.items())) if TMA_REJECTED else None  # built only when needed
-    descs = {i: descriptor(*spec) for i, spec in specs.items()} if tma and key not in TMA_REJECTED else {}
+    rejected = bool(TMA_REJECTED) and _shape_key(kernel, const) in TMA_REJECTED  # the key only when there are any
+    descs = {i: descriptor(*spec) for i, spec in specs.items()} if tma and not rejected else {}
     if descs and all(d is not None for d in descs.values()):
         try:
             return run(kernel, grid, *(descs.get(i, a) for i, a in enumerate(args)), **const, TMA=True)
         except (triton.TritonError, RuntimeError) as e:  # a compiler failure; a real error recurs below
-            TMA_REJECTED.add((kernel.fn.__name__, *sorted(const.items())))
+            TMA_REJECTED.add(_shape_key(kernel, const))
             warnings.warn(f"{kernel.fn.__name__}: Triton could not compile the tensor-descriptor loads for {const} "
                           f"({type(e).__name__}); using pointer loads for this launch shape", stacklevel=3)
     return run(kernel, grid, *args, **const, TMA=False)
