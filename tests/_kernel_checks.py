@@ -58,7 +58,8 @@ def _compile_check(device):
 
 def _aux_grads_check(device):
     """The forward op's auxiliary outputs (block indices, branch outputs and LSEs) get no gradient: autograd
-    must not materialise zero gradients for them (three [B, T, HQ, Dv] tensors of peak memory)."""
+    must not materialise zero gradients for them (three [B, T, HQ, Dv] tensors of peak memory). Both paths: the
+    custom op's autograd and the eager _Direct function (ops.nsa_attention's via_op)."""
     import torch
 
     from nsa_titan.kernels import nsa_attention, ops
@@ -69,20 +70,61 @@ def _aux_grads_check(device):
     xs = [torch.randn(*s, device=device, requires_grad=True) for s in
           [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
     gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
-    seen = []
+    seen = {}
     backward = ops._nsa_backward
 
     def spy(ctx, dout, *aux):
-        seen.append([a is None for a in aux])
+        seen.setdefault(ctx.via_op, []).append([a is None for a in aux])
         return backward(ctx, dout, *aux)
 
-    ops.nsa_fwd.register_autograd(spy, setup_context=ops._nsa_setup)
+    ops._nsa_backward = spy  # what both the op's autograd and _Direct.backward call
     try:
-        out, _ = nsa_attention(*xs, gates, p)
-        out.sum().backward()
+        for via_op in (True, False):
+            out, _ = nsa_attention(*xs, gates, p, via_op=via_op)
+            out.sum().backward()
     finally:
-        ops.nsa_fwd.register_autograd(backward, setup_context=ops._nsa_setup)
-    return {"ok": seen == [[True] * 8] and xs[0].grad is not None, "seen": seen}
+        ops._nsa_backward = backward
+    return {"ok": seen == {True: [[True] * 8], False: [[True] * 8]} and xs[0].grad is not None, "seen": seen}
+
+
+def _direct_path_check(device):
+    """Eager calls skip the custom op's dispatch (ops._Direct) and get bitwise its results: outputs, block indices
+    and every gradient, with and without documents. The op stays where something must see it: under a dispatch
+    mode (selective activation checkpointing's is one) and for meta tensors."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nsa_titan.kernels import nsa_attention, ops
+    from nsa_titan.models.nsa.common import NSAParams
+
+    p = NSAParams(8, 4, 16, 4, 24)
+    B, T, HQ, HKV, D = 2, 40, 4, 2, 32
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(*s, generator=gen).to(device) for s in
+          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
+    gates = torch.rand(B, T, HQ, 3, generator=gen).to(device)
+    dout = torch.randn(B, T, HQ, D, generator=gen).to(device)
+    docs = torch.tensor([0] * 17 + [17] * 23, device=device).expand(B, T)
+    same = []
+    for doc in (None, docs):
+        runs = []
+        for via_op in (True, False):
+            ins = [x.detach().requires_grad_(True) for x in (*xs, gates)]
+            out, idx = nsa_attention(*ins, p, doc_start=doc, via_op=via_op)
+            out.backward(dout)
+            runs.append([out.detach(), idx, *(x.grad for x in ins)])
+        same.append(all(torch.equal(a, b) for a, b in zip(*runs)))
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    plain = ops._through_op((*xs, gates))
+    with Seen():
+        moded = ops._through_op((*xs, gates))
+    meta = ops._through_op((xs[0].to("meta"), *xs[1:], gates))
+    return {"ok": all(same) and not plain and moded and meta, "same": same, "plain": plain, "mode": moded,
+            "meta": meta}
 
 
 def _dq_buffer_check(device):
@@ -122,7 +164,8 @@ def _dq_buffer_check(device):
     return {"ok": algos == ["ds", "recompute"] and worst < 1e-5, "algos": algos, "worst": worst}
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
-CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check), ("dq_buffer", _dq_buffer_check),
+CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
+          ("direct_path", _direct_path_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check), ("nsa_fwd_fake", _fwd_fake_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_tokens", _sel_tokens_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_tokens", _sel_dq_tokens_check),

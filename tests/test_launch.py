@@ -54,6 +54,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(_stand_in, "_nsa_no_fast", False, raising=False)
+    monkeypatch.setattr(_stand_in, "_nsa_memo", None, raising=False)  # launch.run's memo starts empty
     binds, normal, state = [], [], dict(compile=False)
 
     def binder(X, n, BLOCK, **options):
@@ -155,3 +156,70 @@ def test_descriptor_equals_the_checked_dataclass():
     with pytest.raises((AssertionError, ValueError)):  # a box the dataclass rejects fails the first time it is seen
         descriptor(x, shape, strides, [1, 24, 1, 32])
     assert descriptor(x[:, :, :, :16], [2, 64, 3, 16], strides, [1, 16, 1, 32]) is None  # box wider than the head
+
+
+def test_a_repeated_launch_skips_the_binder(kernel):
+    """The memo: a launch like one seen before (dtypes, 16-byte alignment, integer values, constants) reuses its
+    compiled kernel without binding again, and hands the launcher this call's arguments in the same layout."""
+    fill, launcher, binds, normal, _ = kernel
+    fill()
+    x, y = torch.zeros(64), torch.ones(64)
+    launch.run(_stand_in, (2,), x, 5, BLOCK=16)
+    launch.run(_stand_in, (3,), y, 5, BLOCK=16)
+    assert len(binds) == 1 and normal == []
+    head = (1, 1, 1234, 77, False, True, None, None, ("meta",), None, None, None)
+    assert launcher.calls == [(2, *head, x, 5, 16), (3, *head, y, 5, 16)]
+    assert launcher.calls[1][-3] is y
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "integer", "constant", "debug"])
+def test_a_launch_unlike_the_memos_binds_again(kernel, monkeypatch, change):
+    """Each part of Triton's specialisation is in the memo key: changing one binds again (the binder's result, not
+    the memo's, picks the compiled kernel)."""
+    fill, launcher, binds, normal, _ = kernel
+    fill()
+    x = torch.zeros(64)
+    launch.run(_stand_in, (1,), x, 5, BLOCK=16)
+    args, const = [x, 5], dict(BLOCK=16)
+    if change == "alignment":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "integer":
+        args[1] = 16
+    elif change == "constant":
+        const["BLOCK"] = 32
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    launch.run(_stand_in, (1,), *args, **const)
+    assert len(binds) == 2
+
+
+def test_the_memo_takes_only_plain_arguments_and_stays_bounded(kernel, monkeypatch):
+    fill, launcher, binds, normal, _ = kernel
+    fill()
+    x = torch.zeros(64)
+    for _ in range(2):  # an argument of another kind (a stand-in object): no memo, bound every time
+        launch.run(_stand_in, (1,), object(), 5, BLOCK=16)
+    assert len(binds) == 2 and not getattr(_stand_in, "_nsa_memo", {})
+    monkeypatch.setattr(launch, "MEMO_SIZE", 2)
+    for n in (1, 2, 3, 3):  # three integer values: the memo empties when full, the last call is a hit
+        launch.run(_stand_in, (1,), x, n, BLOCK=16)
+    assert len(binds) == 5 and len(_stand_in._nsa_memo) == 1 and len(launcher.calls) == 6
+
+
+def test_launch_hooks_take_the_normal_path_even_after_a_memo_hit(kernel):
+    fill, launcher, _, normal, _ = kernel
+    fill()
+    hooks = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(hooks, "add"):
+        pytest.skip("this Triton has no hook chain")
+    x = torch.zeros(64)
+    launch.run(_stand_in, (1,), x, 5, BLOCK=16)
+    hook = lambda metadata: None  # noqa: E731
+    hooks.add(hook)
+    try:
+        launch.run(_stand_in, (1,), x, 5, BLOCK=16)
+    finally:
+        hooks.remove(hook)
+    assert len(normal) == 1 and len(launcher.calls) == 1

@@ -27,11 +27,16 @@ try:
     from triton.runtime.jit import JITFunction, compute_cache_key
 except ImportError:  # pragma: no cover - an older Triton: every launch takes the normal path
     _knobs = JITFunction = compute_cache_key = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover
+    _TensorDescriptor = None
 
 
 def _fast_launcher(kernel):
-    """(C launch function, cooperative-grid flag, PDL flag, CUDA function, packed metadata) of a compiled kernel, or
-    None when the fast path cannot call it (scratch memory, another launcher class). Memoised on the kernel."""
+    """(C launch function, cooperative-grid flag, PDL flag, CUDA function, packed metadata, the kernel itself) of a
+    compiled kernel, or None when the fast path cannot call it (scratch memory, another launcher class). Memoised on
+    the kernel."""
     fast = getattr(kernel, "_nsa_fast", False)
     if fast is not False:
         return fast
@@ -41,7 +46,7 @@ def _fast_launcher(kernel):
         if (getattr(runner, "global_scratch_size", 1) == 0 and getattr(runner, "profile_scratch_size", 1) == 0
                 and callable(getattr(runner, "launch", None))):
             fast = (runner.launch, runner.launch_cooperative_grid, runner.launch_pdl, kernel.function,
-                    kernel.packed_metadata)
+                    kernel.packed_metadata, kernel)
     except Exception:  # noqa: BLE001 - anything unexpected: the normal path, which raises real errors itself
         fast = None
     kernel._nsa_fast = fast
@@ -63,8 +68,50 @@ def _run_options(kernel, const: dict) -> dict:
     return options
 
 
+# What a memo key may hold of a launch's keyword arguments: values that compare by value.
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _arg_key(a):
+    """An argument's part of a memo key: at least as fine as Triton's specialisation of it (a tensor's dtype and
+    16-byte alignment; an integer's value, which decides equal-to-1, divisibility by 16 and the 32/64-bit type; a
+    descriptor's dtype, shape, strides, box and padding). Any other kind of argument: a TypeError (no memo)."""
+    t = type(a)
+    if t is int or t is bool or a is None:
+        return t, a
+    if t is float:
+        return float
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if _TensorDescriptor is not None and t is _TensorDescriptor:
+        base = a.base
+        return base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding
+    raise TypeError(t)
+
+
+def _memo_key(device: int, args: tuple, const: dict, options: tuple):
+    """The key under which ``kernel._nsa_memo`` keeps a launch's compiled kernel, or None (no memo for it)."""
+    try:
+        argk = tuple(map(_arg_key, args))
+    except TypeError:
+        return None
+    for v in const.values():
+        if type(v) not in _PLAIN:
+            return None
+    return device, argk, tuple(const.items()), options
+
+
+# Entries a kernel's memo holds at most (a shape per entry; emptied when full, so that arguments whose values vary
+# from call to call cannot grow it without bound).
+MEMO_SIZE = 1024
+
+
 def run(kernel, grid, *args, **const):
-    """``kernel[grid](*args, **const)`` (grid a tuple of 1-3 ints), through the fast path where it applies."""
+    """``kernel[grid](*args, **const)`` (grid a tuple of 1-3 ints), through the fast path where it applies.
+
+    A launch whose arguments match one seen before (the memo key: dtypes, alignment, integer values, constants,
+    Triton's debug options) skips Triton's binder and cache key too (~20 us of ~35 per launch on an H100 host,
+    benchmarks/results/hostprobe2_s28_H100.json): the same compiled kernel, its arguments in signature order."""
     if (compute_cache_key is None or not isinstance(kernel, JITFunction) or getattr(kernel, "_nsa_no_fast", False)
             or not torch.cuda.is_available()):
         return kernel[grid](*args, **const)
@@ -73,20 +120,35 @@ def run(kernel, grid, *args, **const):
     if caches is None or len(caches) != 5 or _hook_set(_knobs.runtime.launch_enter_hook) or _hook_set(
             _knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, **const)
-    kernel_cache, key_cache, _target, _backend, binder = caches
-    bound, specialization, options = binder(*args, **_run_options(kernel, const))
-    key = compute_cache_key(key_cache, specialization, options)
-    compiled = kernel_cache.get(key)
-    if compiled is None:  # Triton compiles it; if our key still names nothing, this Triton binds differently
-        out = kernel[grid](*args, **const)
-        if key not in kernel_cache:
-            kernel._nsa_no_fast = True  # every later launch of this kernel: the normal path, no second binding
-        return out
-    fast = None if hasattr(compiled, "result") else _fast_launcher(compiled)
-    if fast is None:
-        return kernel[grid](*args, **const)
-    launch, cooperative, pdl, function, packed_metadata = fast
+    options = (const.get("debug", kernel.debug) or _knobs.runtime.debug,
+               getattr(_knobs.compilation, "instrumentation_mode", None))
+    memo_key = _memo_key(device, args, const, options)
+    memo = kernel.__dict__.get("_nsa_memo")
+    hit = None if memo is None or memo_key is None else memo.get(memo_key)
+    if hit is not None:
+        fast, tail = hit
+        values = (*args, *tail)
+    else:
+        kernel_cache, key_cache, _target, _backend, binder = caches
+        bound, specialization, run_options = binder(*args, **_run_options(kernel, const))
+        key = compute_cache_key(key_cache, specialization, run_options)
+        compiled = kernel_cache.get(key)
+        if compiled is None:  # Triton compiles it; if our key still names nothing, this Triton binds differently
+            out = kernel[grid](*args, **const)
+            if key not in kernel_cache:
+                kernel._nsa_no_fast = True  # every later launch of this kernel: the normal path, no second binding
+            return out
+        fast = None if hasattr(compiled, "result") else _fast_launcher(compiled)
+        if fast is None:
+            return kernel[grid](*args, **const)
+        values = tuple(bound.values())
+        if memo_key is not None:
+            if memo is None or len(memo) >= MEMO_SIZE:
+                memo = kernel._nsa_memo = {}
+            # the parameters after the positional ones: constants and defaults, fixed by the key
+            memo[memo_key] = (fast, values[len(args):])
+    launch, cooperative, pdl, function, packed_metadata, compiled = fast
     n = len(grid)
     launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-           function, cooperative, pdl, None, None, packed_metadata, None, None, None, *bound.values())
+           function, cooperative, pdl, None, None, packed_metadata, None, None, None, *values)
     return compiled

@@ -20,7 +20,6 @@ import functools
 
 import torch
 from torch import Tensor
-from torch.library import custom_op
 
 from nsa_titan.kernels import band, band_bwd, band_dq2, combine, select, selected, selected_bwd
 from nsa_titan.kernels.pair_sort import pair_key_dtype
@@ -135,8 +134,7 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 
 
 # --- the whole NSA attention as one operator: three branches, block selection, gate combination ---
-@custom_op("nsa_titan::nsa_fwd", mutates_args=())
-def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
+def nsa_fwd_impl(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
             window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
             dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
@@ -150,7 +148,25 @@ def nsa_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tenso
                          cmp_block, cmp_stride, slc_block, top_n, window, doc_start, causal_prefix)
 
 
-@nsa_fwd.register_fake
+# The two operators, registered through torch.library's Library API rather than @custom_op: same schema, fake
+# implementation and autograd, but a call goes straight from the dispatcher to the function. @custom_op wraps its
+# function in a dynamo-disable frame and checks outputs for aliasing at every call: ~50 us more per call under no_grad,
+# which is how a compiled graph calls it (72 vs 22 us for a 16-argument stand-in on the CPU; the forward on an H100
+# host: 0.64 ms through @custom_op, 0.49 ms for the function itself, benchmarks/results/hostprobe2_s28_H100.json).
+_LIB = torch.library.Library("nsa_titan", "DEF")  # kept: the registrations live as long as this object
+
+
+def _define(name: str, fn) -> None:
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+    for key in ("CPU", "CUDA"):  # the CPU: the Triton interpreter (tests)
+        _LIB.impl(name, fn, key)
+
+
+_define("nsa_fwd", nsa_fwd_impl)
+nsa_fwd = torch.ops.nsa_titan.nsa_fwd.default
+
+
+@torch.library.register_fake("nsa_titan::nsa_fwd", lib=_LIB)
 def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
       doc_start=None, causal_prefix=-1, dq_buffer_bytes=selected.DS_BUDGET):
     b, t, hq, _ = q.shape
@@ -167,8 +183,7 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
             _like(lse), keys)
 
 
-@custom_op("nsa_titan::nsa_bwd", mutates_args=())
-def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
             v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
             lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int, cmp_stride: int,
             slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
@@ -230,7 +245,11 @@ def nsa_bwd(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
-@nsa_bwd.register_fake
+_define("nsa_bwd", nsa_bwd_impl)
+nsa_bwd = torch.ops.nsa_titan.nsa_bwd.default
+
+
+@torch.library.register_fake("nsa_titan::nsa_bwd", lib=_LIB)
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
       o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None, causal_prefix=-1,
       dq_buffer_bytes=selected.DS_BUDGET):
@@ -245,6 +264,7 @@ def _nsa_setup(ctx, inputs, output):
                           lse_slc, o_win, lse_win, keys, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
     ctx.causal_prefix, ctx.dq_buffer_bytes = causal_prefix, dq_buffer_bytes
+    ctx.via_op = True  # the custom op's autograd; _Direct sets False: its backward calls nsa_bwd's function
     ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys)
     # The eight auxiliary outputs never receive gradients: without this, autograd would allocate a zero
     # gradient for each of them (three [B, T, HQ, Dv] tensors: +37% peak memory, measured on an H100).
@@ -255,17 +275,55 @@ def _nsa_backward(ctx, dout, *_unused):
     if dout is None:  # the combined output was not used: nothing flows back
         return (None,) * 16
     *saved, doc_start = ctx.saved_tensors
-    grads = nsa_bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix, ctx.dq_buffer_bytes)
+    bwd = nsa_bwd if ctx.via_op else nsa_bwd_impl  # the op's own function: see _Direct
+    grads = bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix, ctx.dq_buffer_bytes)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
-nsa_fwd.register_autograd(_nsa_backward, setup_context=_nsa_setup)
+def _op_backward(ctx, *grads):
+    return _nsa_backward(ctx, *grads)  # looked up at each call, as _Direct.backward does (tests replace it)
+
+
+torch.library.register_autograd("nsa_titan::nsa_fwd", _op_backward, setup_context=_nsa_setup, lib=_LIB)
+
+
+class _Direct(torch.autograd.Function):
+    """The two ops' own functions under a plain autograd.Function, for eager calls that nothing observes.
+
+    Why: the custom op's Python dispatch (its autograd wrapper, the redispatch, the device kernel's aliasing checks)
+    cost ~0.55 ms per eager forward+backward at m7c 8k batch 2 (2.2 ms of host time without it, ~2.8 with it; H100,
+    benchmarks/results/hostprobe2_s28_H100.json), and eager NSA at small shapes runs at the host's pace. The op stays
+    where something must see it: torch.compile (an opaque node with a fake implementation), selective activation
+    checkpointing and other dispatch modes (FakeTensorMode, FlopCounterMode), tensor subclasses and meta tensors.
+    Same functions, same kernels, same order: the results are bitwise those of the op (tests/_kernel_checks.py)."""
+
+    @staticmethod
+    def forward(*args):
+        return nsa_fwd_impl(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _nsa_setup(ctx, inputs, output)
+        ctx.via_op = False
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _nsa_backward(ctx, *grads)
+
+
+def _through_op(tensors) -> bool:
+    """Whether this call must dispatch the custom op (see _Direct): while compiling, under a dispatch mode, for tensor
+    subclasses (FakeTensor, DTensor, functional wrappers) and for meta tensors."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():  # noqa: SLF001 - no public getter
+        return True
+    return any(type(x) is not Tensor or x.is_meta for x in tensors)
+
 
 OPS = {"nsa_fwd": nsa_fwd, "nsa_bwd": nsa_bwd}
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None, causal_prefix: int = -1,
-                  dq_buffer_bytes: int = selected.DS_BUDGET):
+                  dq_buffer_bytes: int = selected.DS_BUDGET, via_op: bool | None = None):
     """Same contract as torch_impl.nsa_attention: (o [B,T,HQ,Dv], block_idx [B,HKV,T,n] int64, -1 unused).
 
     ``p`` is duck-typed: cmp_block (l), cmp_stride (d), slc_block (l'), slc_top_n (n), window (w).
@@ -274,9 +332,15 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_sta
     result either way; selected.causal_prefix says when it pays). Tests and A/B runs set it.
     ``dq_buffer_bytes``: the backward's budget for the selected branch's stored dS or dQ partials, above which
     dQ recomputes (the model's ``dq_buffer_gib``; default selected.DS_BUDGET, 2 GiB).
+    ``via_op``: dispatch the custom op (True) or call its functions under a plain autograd.Function (False); None
+    chooses (_through_op: the op only where something must see it). Tests set it to hold both paths alike.
     """
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
-    out, block_idx, *_ = nsa_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p.cmp_block, p.cmp_stride,
-                                 p.slc_block, p.slc_top_n, p.window, doc_start, causal_prefix, int(dq_buffer_bytes))
+    tensors = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    if via_op is None:
+        via_op = _through_op(tensors)
+    fwd = nsa_fwd if via_op else _Direct.apply
+    out, block_idx, *_ = fwd(*tensors, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, p.window, doc_start,
+                             causal_prefix, int(dq_buffer_bytes))
     return out, block_idx
