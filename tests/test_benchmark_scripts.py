@@ -336,3 +336,27 @@ def test_bench_attention_targets_give_the_kernel_ratio_of_host_bound_rows_only()
     line = next(x for x in mod.targets(rows) if x.startswith("- m7c fwd+bwd vs SDPA"))
     assert ("8k 0.26x (host-bound; SDPA wall / NSA kernels 0.88x; both replayed from CUDA graphs 0.80x (1.20 / 0.96 "
             "ms)) vs >= 1x: MISSED by 3.82x") in line
+
+
+def test_step_graph_probe_dry_run_restores_the_state_it_checks(tmp_path):
+    """step_graph_probe.py (a GPU probe) on the CPU without the graph: it builds the model as the trainer does, times
+    eager steps, and its state check (save, step, restore, step again) finds the two steps from one state equal. With
+    the restore broken the same check must say so: a patched copy that skips it reports a mismatch."""
+    probe = common.REPO / "benchmarks" / "step_graph_probe.py"
+    broken = tmp_path / "probe_no_restore.py"
+    src = probe.read_text()
+    assert "            t.copy_(s)\n" in src
+    broken.write_text(src.replace("            t.copy_(s)\n", "            pass\n"))
+    results = {}
+    for name, script in (("probe", probe), ("broken", broken)):
+        proc = subprocess.run(
+            [sys.executable, str(script), "--config", str(common.REPO / "train_configs" / "debug_model.toml"), "--cpu",
+             "--steps", "1", "--warmup", "1", "--out", str(tmp_path), "--tag", name, "--",
+             "--training.seq_len", "64", "--training.local_batch_size", "1"],
+            capture_output=True, text=True, timeout=300, cwd=common.REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = json.loads((tmp_path / f"step_graph_{name}.json").read_text())
+    assert "graph_error" not in results["probe"], results["probe"].get("graph_traceback")
+    assert results["probe"]["replay_loss_equal"] and results["probe"]["replay_params_equal"]
+    assert not results["broken"]["replay_params_equal"]
+    assert results["probe"]["eager_step_s"] > 0 and len(results["probe"]["eager_losses"]) == 1

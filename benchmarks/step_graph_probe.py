@@ -1,0 +1,176 @@
+"""Can a whole training step replay as one CUDA graph, with data parallelism too, and what does it buy? (GPU probe)
+
+    python benchmarks/step_graph_probe.py --config train_configs/m7c_125m.toml --out DIR --tag m7c_1gpu -- \
+        --training.seq_len 8192 --training.local_batch_size 2
+    torchrun --nproc_per_node 2 benchmarks/step_graph_probe.py --config train_configs/m7c_125m.toml --out DIR \
+        --tag m7c_fsdp2 -- --training.seq_len 8192 --training.local_batch_size 2 \
+        --parallelism.fsdp_blocks_per_unit 4 --parallelism.fsdp_reshard_after_forward never
+
+Why: without CUDA graphs the m7c NSA step is bound by the host (docs/experiments.md; benchmarks/results/
+host_time_s28_H100.md: ~66-75 ms of host time for ~47 ms of GPU work per step at 8k batch 2), and FSDP2's own host
+work per step (~15-20 ms) lands on top of it, so m7c FSDP2 stays at ~75-83 % of one GPU. Per-block graphs
+(compile.mode reduce-overhead) cannot run under FSDP2: the unsharded parameters move between steps. One graph for
+the whole step would run FSDP2's Python only while it is captured.
+
+What it does, per rank: the configured model exactly as the trainer builds it (parallelize_nsa: AC, compile with
+mode 'default', data parallelism), the configured AdamW made capturable (its lr a device tensor, constant: no
+schedule), random tokens in static buffers. Phase 1 times ``--steps`` steps of the trainer's train_step without a
+graph. Phase 2 warms up on a side stream, captures one whole step (forward, backward with the collectives, clipping,
+optimizer step, zero_grad) and times ``--steps`` replays. Between them, one step from the same saved state both ways
+(eager, then replay) checks that the replay computes what the eager step computes: loss and every local parameter
+shard, bitwise. Any failure (capture, replay, mismatch) is reported in the JSON rather than raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
+from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
+from nsa_titan.components.train_step import train_step  # noqa: E402
+from nsa_titan.config import load_job_config  # noqa: E402
+from nsa_titan.data import tokenizer_from_config  # noqa: E402
+from nsa_titan.models import resolve_attn_impl  # noqa: E402
+from nsa_titan.parallelisms import ParallelDims  # noqa: E402
+from nsa_titan.train import build_training_model, resolve_model_args  # noqa: E402
+
+
+class _Constant:
+    """The scheduler train_step steps: none (a captured step keeps the lr tensor it was captured with)."""
+
+    def step(self) -> None:
+        pass
+
+
+def _state(model, optimizer) -> list[torch.Tensor]:
+    """Every tensor a step changes on this rank: local parameter shards and optimizer state (in place restorable)."""
+    out = [local_shard(p.detach()) for p in model.parameters()]
+    for st in optimizer.state.values():
+        out += [local_shard(v) for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per phase")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (compiles in phase 1)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--cpu", action="store_true", help="a dry run of everything but the graph (CPU, gloo): the state "
+                    "check then compares two eager steps from one saved state (tests)")
+    args, extra = ap.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    compiled = [] if args.cpu else ["--compile.enable", "--compile.mode", "default"]  # the dry run: eager, quick
+    cfg = load_job_config(["--config", args.config, *compiled, *extra])
+    world = world_from_env()
+    dims = ParallelDims.from_config(world.world_size, cfg.parallelism)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", world.local_rank)
+    if not args.cpu:
+        torch.cuda.set_device(device)
+    sync = (lambda: None) if args.cpu else torch.cuda.synchronize
+    torch.manual_seed(cfg.training.seed)
+    start_process_group(world, device, timeout_s=cfg.fault.collective_timeout_s)
+    model_args = resolve_model_args(cfg, tokenizer_from_config(cfg.data).vocab_size)
+    model_args = dataclasses.replace(model_args, attn_impl=resolve_attn_impl(model_args.attn_impl, device))
+    model = build_training_model(cfg, model_args, device, world, dims)
+    optimizer = build_optimizer(model, cfg.optimizer, device.type)
+    for group in optimizer.param_groups:  # capturable: steps on device, lr a tensor the graph reads
+        if not args.cpu:
+            group["capturable"] = True
+            group["lr"] = torch.tensor(float(cfg.optimizer.lr), device=device)
+    tc = cfg.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator(device=device).manual_seed(1234 + world.rank)
+    batch = {"input": torch.empty(tc.local_batch_size, tc.seq_len, dtype=torch.long, device=device),
+             "labels": torch.empty(tc.local_batch_size, tc.seq_len, dtype=torch.long, device=device)}
+
+    def next_batch() -> None:  # new data into the static buffers, outside any graph
+        batch["input"].random_(0, model_args.vocab_size, generator=gen)
+        batch["labels"].random_(0, model_args.vocab_size, generator=gen)
+
+    def step() -> torch.Tensor:
+        loss, _ = train_step(model, optimizer, _Constant(), [batch], params=params, max_norm=tc.max_norm,
+                             autocast=lambda: autocast_context(device, tc.mixed_precision),
+                             dp_degree=dims.dp_degree,
+                             grad_sync=cfg.parallelism.grad_sync, shard_local=cfg.optimizer.shard_local)
+        return loss
+
+    def timed(run) -> tuple[float, list[float]]:
+        losses = []
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            next_batch()
+            losses.append(run())
+        sync()
+        return (time.perf_counter() - t0) / args.steps, [float(x) for x in losses]
+
+    res = dict(tag=args.tag, device="cpu" if args.cpu else torch.cuda.get_device_name(device),
+               world_size=world.world_size, torch=torch.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               argv=sys.argv[1:], tokens_per_step_per_rank=tc.local_batch_size * tc.seq_len)
+    for _ in range(args.warmup):  # compiles every block; Adam's state is made here, outside any capture
+        next_batch()
+        step()
+    res["eager_step_s"], res["eager_losses"] = timed(step)
+    try:
+        if not args.cpu:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator pools, NCCL)
+                for _ in range(args.warmup):
+                    next_batch()
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+        next_batch()
+        saved = [t.clone() for t in _state(model, optimizer)]
+        eager_loss = float(step())
+        eager_after = [t.clone() for t in _state(model, optimizer)]
+        for t, s in zip(_state(model, optimizer), saved):
+            t.copy_(s)
+        if args.cpu:  # the dry run: a second eager step stands in for the replay
+            static_loss = step()
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_loss = step()
+            graph.replay()  # the batch is still the eager step's: same inputs, same starting state
+        sync()
+        res["replay_loss_equal"] = float(static_loss) == eager_loss
+        res["replay_params_equal"] = all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), eager_after))
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return static_loss.clone()
+
+        if not args.cpu:
+            res["graph_step_s"], res["graph_losses"] = timed(replay)
+            res["speedup"] = res["eager_step_s"] / res["graph_step_s"]
+    except Exception as e:  # noqa: BLE001 - the probe reports why capture or replay failed
+        res["graph_error"] = f"{type(e).__name__}: {e}"
+        res["graph_traceback"] = traceback.format_exc()[-4000:]
+    if world.rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"step_graph_{args.tag}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps({k: v for k, v in res.items() if "losses" not in k and k != "graph_traceback"}, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
