@@ -36,18 +36,27 @@ from _kernel_checks_selected import (
 )
 
 
+def _small_inputs(device, batch: int = 1, seed: int = 0, grad: bool = False):
+    """-> (p, [q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates]): the small case the op-path checks share (T = 40,
+    HQ 4, HKV 2, head dim 32, 9 compressed tokens), seeded; ``grad``: leaves that require grad."""
+    import torch
+
+    from nsa_titan.models.nsa.common import NSAParams
+
+    T, HQ, HKV, D = 40, 4, 2, 32
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, T, HQ, D), (batch, 9, HKV, D), (batch, 9, HKV, D)] + [(batch, T, HKV, D)] * 4
+    xs = [torch.randn(*s, generator=gen) for s in shapes] + [torch.rand(batch, T, HQ, 3, generator=gen)]
+    return NSAParams(8, 4, 16, 4, 24), [x.to(device).requires_grad_(grad) for x in xs]
+
+
 def _compile_check(device):
     """fullgraph=True must trace through the custom ops (aot_eager: no C++ toolchain needed on CPU)."""
     import torch
 
     from nsa_titan.kernels import nsa_attention
-    from nsa_titan.models.nsa.common import NSAParams
 
-    p = NSAParams(8, 4, 16, 4, 24)
-    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
-    xs = [torch.randn(*s, device=device, requires_grad=True) for s in
-          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
-    gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
+    p, (*xs, gates) = _small_inputs(device, grad=True)
     fn = torch.compile(lambda *a: nsa_attention(*a, p), fullgraph=True, backend="aot_eager")
     out, idx = fn(*xs, gates)
     ref, ridx = nsa_attention(*xs, gates, p)
@@ -60,16 +69,10 @@ def _aux_grads_check(device):
     """The forward op's auxiliary outputs (block indices, branch outputs and LSEs) get no gradient: autograd
     must not materialise zero gradients for them (three [B, T, HQ, Dv] tensors of peak memory). Both paths: the
     custom op's autograd and the eager _Direct function (ops.nsa_attention's via_op)."""
-    import torch
 
     from nsa_titan.kernels import nsa_attention, ops
-    from nsa_titan.models.nsa.common import NSAParams
 
-    p = NSAParams(8, 4, 16, 4, 24)
-    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
-    xs = [torch.randn(*s, device=device, requires_grad=True) for s in
-          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
-    gates = torch.rand(B, T, HQ, 3, device=device, requires_grad=True)
+    p, (*xs, gates) = _small_inputs(device, grad=True)
     seen = {}
     backward = ops._nsa_backward
 
@@ -95,16 +98,10 @@ def _direct_path_check(device):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from nsa_titan.kernels import nsa_attention, ops
-    from nsa_titan.models.nsa.common import NSAParams
 
-    p = NSAParams(8, 4, 16, 4, 24)
-    B, T, HQ, HKV, D = 2, 40, 4, 2, 32
-    gen = torch.Generator().manual_seed(11)
-    xs = [torch.randn(*s, generator=gen).to(device) for s in
-          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
-    gates = torch.rand(B, T, HQ, 3, generator=gen).to(device)
-    dout = torch.randn(B, T, HQ, D, generator=gen).to(device)
-    docs = torch.tensor([0] * 17 + [17] * 23, device=device).expand(B, T)
+    p, (*xs, gates) = _small_inputs(device, batch=2, seed=11)
+    dout = torch.randn(xs[0].shape, generator=torch.Generator().manual_seed(12)).to(device)
+    docs = torch.tensor([0] * 17 + [17] * 23, device=device).expand(2, 40)
     same = []
     for doc in (None, docs):
         runs = []
@@ -134,14 +131,8 @@ def _dq_buffer_check(device):
     import torch
 
     from nsa_titan.kernels import nsa_attention, selected_bwd
-    from nsa_titan.models.nsa.common import NSAParams
 
-    p = NSAParams(8, 4, 16, 4, 24)
-    B, T, HQ, HKV, D = 1, 40, 4, 2, 32
-    gen = torch.Generator().manual_seed(5)
-    xs = [torch.randn(*s, generator=gen).to(device) for s in
-          [(B, T, HQ, D), (B, 9, HKV, D), (B, 9, HKV, D)] + [(B, T, HKV, D)] * 4]
-    gates = torch.rand(B, T, HQ, 3, generator=gen).to(device)
+    p, (*xs, gates) = _small_inputs(device, seed=5)
     algos, cfg = [], selected_bwd._cfg
 
     def spy(kernel, *a):

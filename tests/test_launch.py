@@ -8,6 +8,8 @@ benchmarks/check_bitwise.py's digests, run against the parent tree (benchmarks/r
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -79,6 +81,20 @@ def kernel(monkeypatch):
     return fill, launcher, binds, normal, state
 
 
+@contextlib.contextmanager
+def _launch_hook():
+    """A launch-enter hook installed for the block (a profiler such as proton installs one)."""
+    hooks = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(hooks, "add"):
+        pytest.skip("this Triton has no hook chain")
+    hook = lambda metadata: None  # noqa: E731
+    hooks.add(hook)
+    try:
+        yield
+    finally:
+        hooks.remove(hook)
+
+
 def test_fast_path_launches_with_jit_runs_arguments(kernel):
     fill, launcher, binds, normal, _ = kernel
     fill()
@@ -116,15 +132,8 @@ def test_a_triton_that_binds_other_options_keeps_the_normal_path(kernel):
 def test_launch_hooks_and_scratch_take_the_normal_path(kernel):
     fill, launcher, _, normal, _ = kernel
     fill()
-    hooks = triton.knobs.runtime.launch_enter_hook
-    if not hasattr(hooks, "add"):
-        pytest.skip("this Triton has no hook chain")
-    hook = lambda metadata: None  # noqa: E731
-    hooks.add(hook)
-    try:
+    with _launch_hook():
         launch.run(_stand_in, (1,), "x", 5, BLOCK=16)
-    finally:
-        hooks.remove(hook)
     assert len(normal) == 1 and launcher.calls == []
     launch.run(_stand_in, (1,), "x", 5, BLOCK=16)
     assert len(launcher.calls) == 1
@@ -211,15 +220,8 @@ def test_the_memo_takes_only_plain_arguments_and_stays_bounded(kernel, monkeypat
 def test_launch_hooks_take_the_normal_path_even_after_a_memo_hit(kernel):
     fill, launcher, _, normal, _ = kernel
     fill()
-    hooks = triton.knobs.runtime.launch_enter_hook
-    if not hasattr(hooks, "add"):
-        pytest.skip("this Triton has no hook chain")
     x = torch.zeros(64)
     launch.run(_stand_in, (1,), x, 5, BLOCK=16)
-    hook = lambda metadata: None  # noqa: E731
-    hooks.add(hook)
-    try:
+    with _launch_hook():
         launch.run(_stand_in, (1,), x, 5, BLOCK=16)
-    finally:
-        hooks.remove(hook)
     assert len(normal) == 1 and len(launcher.calls) == 1

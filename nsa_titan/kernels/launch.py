@@ -58,11 +58,17 @@ def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _debug_options(kernel, const: dict) -> tuple:
+    """(debug, instrumentation_mode): the options JITFunction.run binds besides ``const`` (part of its cache key);
+    the mode since Triton 3.6 (the knob exists from that version on), else None."""
+    return (const.get("debug", kernel.debug) or _knobs.runtime.debug,
+            getattr(_knobs.compilation, "instrumentation_mode", None))
+
+
 def _run_options(kernel, const: dict) -> dict:
-    """The keyword arguments JITFunction.run binds with: ``const`` plus the options it adds (part of the cache key):
-    ``debug``, and since Triton 3.6 ``instrumentation_mode`` (the knob exists from that version on)."""
-    options = dict(const, debug=const.get("debug", kernel.debug) or _knobs.runtime.debug)
-    mode = getattr(_knobs.compilation, "instrumentation_mode", None)
+    """The keyword arguments JITFunction.run binds with: ``const`` plus ``_debug_options``."""
+    debug, mode = _debug_options(kernel, const)
+    options = dict(const, debug=debug)
     if mode is not None:
         options["instrumentation_mode"] = mode
     return options
@@ -110,8 +116,8 @@ def run(kernel, grid, *args, **const):
     """``kernel[grid](*args, **const)`` (grid a tuple of 1-3 ints), through the fast path where it applies.
 
     A launch whose arguments match one seen before (the memo key: dtypes, alignment, integer values, constants,
-    Triton's debug options) skips Triton's binder and cache key too (~20 us of ~35 per launch on an H100 host,
-    benchmarks/results/hostprobe2_s28_H100.json): the same compiled kernel, its arguments in signature order."""
+    Triton's debug options) skips Triton's binder and cache key too (~27 us per launch on an H100 host at m7c's
+    shapes, benchmarks/results/host_time_s28_H100.md): the same compiled kernel, its arguments in signature order."""
     if (compute_cache_key is None or not isinstance(kernel, JITFunction) or getattr(kernel, "_nsa_no_fast", False)
             or not torch.cuda.is_available()):
         return kernel[grid](*args, **const)
@@ -120,10 +126,8 @@ def run(kernel, grid, *args, **const):
     if caches is None or len(caches) != 5 or _hook_set(_knobs.runtime.launch_enter_hook) or _hook_set(
             _knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, **const)
-    options = (const.get("debug", kernel.debug) or _knobs.runtime.debug,
-               getattr(_knobs.compilation, "instrumentation_mode", None))
-    memo_key = _memo_key(device, args, const, options)
-    memo = kernel.__dict__.get("_nsa_memo")
+    memo_key = _memo_key(device, args, const, _debug_options(kernel, const))
+    memo = getattr(kernel, "_nsa_memo", None)
     hit = None if memo is None or memo_key is None else memo.get(memo_key)
     if hit is not None:
         fast, tail = hit

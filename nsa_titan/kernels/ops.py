@@ -134,11 +134,11 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 
 
 # --- the whole NSA attention as one operator: three branches, block selection, gate combination ---
-def nsa_fwd_impl(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
-            gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
-            window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
-            dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
-                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def nsa_fwd_impl(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                 v_win: Tensor, gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
+                 window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
+                 dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
+                     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> out, block_idx, per branch (o, lse) for the backward (cmp, slc, win), and the selected branch's sorted
     (block, token, slot) keys when its forward is block-centric (else empty), which the backward reuses instead
     of sorting again. ``doc_start`` [B, T] int32 contiguous or None: document masking in every branch
@@ -152,7 +152,7 @@ def nsa_fwd_impl(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: 
 # implementation and autograd, but a call goes straight from the dispatcher to the function. @custom_op wraps its
 # function in a dynamo-disable frame and checks outputs for aliasing at every call: ~50 us more per call under no_grad,
 # which is how a compiled graph calls it (72 vs 22 us for a 16-argument stand-in on the CPU; the forward on an H100
-# host: 0.64 ms through @custom_op, 0.49 ms for the function itself, benchmarks/results/hostprobe2_s28_H100.json).
+# host: 0.64 ms through @custom_op, 0.49 ms for the function itself; benchmarks/results/host_time_s28_H100.md).
 _LIB = torch.library.Library("nsa_titan", "DEF")  # kept: the registrations live as long as this object
 
 
@@ -183,12 +183,12 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride,
             _like(lse), keys)
 
 
-def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
-            v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_slc: Tensor,
-            lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int, cmp_stride: int,
-            slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
-            dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                 Tensor]:
+def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor,
+                 k_win: Tensor, v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor,
+                 o_slc: Tensor, lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int,
+                 cmp_stride: int, slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
+                 dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
+                     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums).
     ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes). ``dq_buffer_bytes``: the
@@ -292,7 +292,7 @@ class _Direct(torch.autograd.Function):
 
     Why: the custom op's Python dispatch (its autograd wrapper, the redispatch, the device kernel's aliasing checks)
     cost ~0.55 ms per eager forward+backward at m7c 8k batch 2 (2.2 ms of host time without it, ~2.8 with it; H100,
-    benchmarks/results/hostprobe2_s28_H100.json), and eager NSA at small shapes runs at the host's pace. The op stays
+    benchmarks/results/host_time_s28_H100.md), and eager NSA at small shapes runs at the host's pace. The op stays
     where something must see it: torch.compile (an opaque node with a fake implementation), selective activation
     checkpointing and other dispatch modes (FakeTensorMode, FlopCounterMode), tensor subclasses and meta tensors.
     Same functions, same kernels, same order: the results are bitwise those of the op (tests/_kernel_checks.py)."""
