@@ -181,7 +181,7 @@ def test_a_repeated_launch_skips_the_binder(kernel):
     assert launcher.calls[1][-3] is y
 
 
-@pytest.mark.parametrize("change", ["alignment", "dtype", "integer", "constant", "debug"])
+@pytest.mark.parametrize("change", ["alignment", "dtype", "integer", "wide_integer", "one", "constant", "debug"])
 def test_a_launch_unlike_the_memos_binds_again(kernel, monkeypatch, change):
     """Each part of Triton's specialisation is in the memo key: changing one binds again (the binder's result, not
     the memo's, picks the compiled kernel)."""
@@ -195,13 +195,28 @@ def test_a_launch_unlike_the_memos_binds_again(kernel, monkeypatch, change):
     elif change == "dtype":
         args[0] = torch.zeros(64, dtype=torch.float16)
     elif change == "integer":
-        args[1] = 16
+        args[1] = 16  # divisible by 16
+    elif change == "wide_integer":
+        args[1] = 2**40 + 5  # past 32 bits
+    elif change == "one":
+        args[1] = 1
     elif change == "constant":
         const["BLOCK"] = 32
     else:
         monkeypatch.setattr(triton.knobs.runtime, "debug", True)
     launch.run(_stand_in, (1,), *args, **const)
     assert len(binds) == 2
+
+
+def test_an_integer_of_the_same_class_finds_the_memo(kernel):
+    """A position that changes every call (decode) keeps its memo entry: Triton specialises an integer by its class
+    (equal to 1, divisible by 16, 32 or 64 bits), not by its value, and the launcher gets this call's value."""
+    fill, launcher, binds, _, _ = kernel
+    fill()
+    x = torch.zeros(64)
+    for n in (5, 7, 2**31 - 1):
+        launch.run(_stand_in, (1,), x, n, BLOCK=16)
+    assert len(binds) == 1 and [c[-2] for c in launcher.calls] == [5, 7, 2**31 - 1]
 
 
 def test_the_memo_takes_only_plain_arguments_and_stays_bounded(kernel, monkeypatch):
@@ -212,7 +227,7 @@ def test_the_memo_takes_only_plain_arguments_and_stays_bounded(kernel, monkeypat
         launch.run(_stand_in, (1,), object(), 5, BLOCK=16)
     assert len(binds) == 2 and not getattr(_stand_in, "_nsa_memo", {})
     monkeypatch.setattr(launch, "MEMO_SIZE", 2)
-    for n in (1, 2, 3, 3):  # three integer values: the memo empties when full, the last call is a hit
+    for n in (1, 16, 3, 5):  # three integer classes: the memo empties when full, the last call is a hit
         launch.run(_stand_in, (1,), x, n, BLOCK=16)
     assert len(binds) == 5 and len(_stand_in._nsa_memo) == 1 and len(launcher.calls) == 6
 

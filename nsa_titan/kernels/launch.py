@@ -80,10 +80,13 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _arg_key(a):
     """An argument's part of a memo key: at least as fine as Triton's specialisation of it (a tensor's dtype and
-    16-byte alignment; an integer's value, which decides equal-to-1, divisibility by 16 and the 32/64-bit type; a
-    descriptor's dtype, shape, strides, box and padding). Any other kind of argument: a TypeError (no memo)."""
+    16-byte alignment; an integer's class: equal to 1, divisible by 16, its 32-bit / 64-bit / unsigned range, so that
+    a position that changes every call, as in decode, still finds its entry; a descriptor's dtype, shape, strides, box
+    and padding). Any other kind of argument: a TypeError (no memo)."""
     t = type(a)
-    if t is int or t is bool or a is None:
+    if t is int:
+        return a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a > 0x7FFFFFFFFFFFFFFF
+    if t is bool or a is None:
         return t, a
     if t is float:
         return float
@@ -107,15 +110,15 @@ def _memo_key(device: int, args: tuple, const: dict, options: tuple):
     return device, argk, tuple(const.items()), options
 
 
-# Entries a kernel's memo holds at most (a shape per entry; emptied when full, so that arguments whose values vary
-# from call to call cannot grow it without bound).
+# Entries a kernel's memo holds at most (a few per launch shape; emptied when full, so that no mix of arguments can
+# grow it without bound).
 MEMO_SIZE = 1024
 
 
 def run(kernel, grid, *args, **const):
     """``kernel[grid](*args, **const)`` (grid a tuple of 1-3 ints), through the fast path where it applies.
 
-    A launch whose arguments match one seen before (the memo key: dtypes, alignment, integer values, constants,
+    A launch whose arguments match one seen before (the memo key: dtypes, alignment, integer classes, constants,
     Triton's debug options) skips Triton's binder and cache key too (~27 us per launch on an H100 host at m7c's
     shapes, benchmarks/results/host_time_s28_H100.md): the same compiled kernel, its arguments in signature order."""
     if (compute_cache_key is None or not isinstance(kernel, JITFunction) or getattr(kernel, "_nsa_no_fast", False)
