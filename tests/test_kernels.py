@@ -2,9 +2,9 @@
 
 TRITON_INTERPRET must be set before triton is first imported, and another test module of this pytest process
 may already have imported it; so the kernel checks run in child processes (started once per session, env
-TRITON_INTERPRET=1; one per CPU core up to 2, each taking every other case and check: the interpreter is
-single-threaded and the checks take ~10 minutes in one process) that print a JSON verdict per case, and the tests
-below only read those verdicts.
+TRITON_INTERPRET=1; one per CPU core up to 2, sharing the cases and checks through a claim directory, slowest
+first: the interpreter is single-threaded and the checks take ~15 minutes in one process) that print a JSON verdict
+per case, and the tests below only read those verdicts.
 Running this file as a script (``python tests/test_kernels.py``) is that child; on a CUDA machine
 ``python tests/test_kernels.py --cuda`` runs the same checks on the GPU, but there they are not a verdict: the
 fp32 cases' dots run in tf32 (errors ~2e-3 against the CPU tolerance of 2e-4) and the torch path's FlexAttention
@@ -18,32 +18,51 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from _kernel_checks import CASES, CHECKS, DOC_CASES, PREFIX_CASES, run_case
 
+# The slowest checks on the interpreter, slowest first (seconds on a 2-core CPU machine, 2026-11-27: 121, 104, 100,
+# 87, 61, 57, 46, 43, 42, 39 of ~930 in all). The children claim work in this order, then the registry's: longest
+# first is what lets two greedy workers finish together (a fixed every-other split left one child 567 s and the
+# other 362 s, near the fixture's 600 s timeout).
+SLOW_FIRST = ("sel_dq_tokens", "sel_tma", "sel_bwd_paths", "sel_tokens", "sel_blocks", "band_tma", "sel_dq_ds_tma",
+              "band_dq2_partials", "decode_fused", "band_dq2")
 
-def main(device: str, shard: int = 0, shards: int = 1) -> None:
-    """Run every ``shards``-th case and check from ``shard`` on (all of them by default)."""
-    cases = (CASES + DOC_CASES + PREFIX_CASES)[shard::shards]
-    checks = CHECKS[(shard + len(CASES + DOC_CASES + PREFIX_CASES)) % shards::shards]
-    for case in cases:
+
+def _work(device: str):
+    """-> [(name, run)]: every case and check, the slow ones first (SLOW_FIRST), each a call returning its verdict."""
+    items = [(case[0], lambda case=case: run_case(case, device)) for case in CASES + DOC_CASES + PREFIX_CASES]
+    items += [(name, lambda check=check: check(device)) for name, check in CHECKS]
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    return sorted(items, key=lambda item: rank.get(item[0], len(rank)))  # stable: the rest in registry order
+
+
+def _claim(claim_dir: str, name: str) -> bool:
+    """Whether this process takes ``name``: the first to create its file in ``claim_dir`` does (atomic)."""
+    try:
+        os.close(os.open(os.path.join(claim_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def main(device: str, shard: int = 0, shards: int = 1, claim_dir: str | None = None) -> None:
+    """Run the cases and checks: with ``claim_dir``, each one that no other child has claimed yet (in _work's order);
+    else every ``shards``-th from ``shard`` on (all of them by default)."""
+    for i, (name, run) in enumerate(_work(device)):
+        if not (_claim(claim_dir, name) if claim_dir else i % shards == shard):
+            continue
         t0 = time.time()
         try:
-            res = run_case(case, device)
-        except Exception as e:  # noqa: BLE001 - report, do not stop: each case is its own test
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        res["sec"] = round(time.time() - t0, 1)
-        print("RESULT " + json.dumps({"case": case[0], **res}), flush=True)
-    for name, check in checks:
-        t0 = time.time()
-        try:
-            res = check(device)
-        except Exception as e:  # noqa: BLE001 - as above
+            res = run()
+        except Exception as e:  # noqa: BLE001 - report, do not stop: each case and check is its own test
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["sec"] = round(time.time() - t0, 1)
         print("RESULT " + json.dumps({"case": name, **res}), flush=True)
@@ -58,9 +77,10 @@ def verdicts():
     shards = max(1, min(2, os.cpu_count() or 1))
     if shards > 1:
         env["OMP_NUM_THREADS"] = "1"  # one core per child
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--shard={i}/{shards}"], env=env,
+    claim_dir = tempfile.mkdtemp(prefix="kernel_checks_")  # the children share the work through it (_claim)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--claim-dir={claim_dir}"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
-             for i in range(shards)]
+             for _ in range(shards)]
     found, errors = {}, []
     for proc in procs:
         try:
@@ -75,6 +95,7 @@ def verdicts():
                 found[r.pop("case")] = r
         if proc.returncode:
             errors.append(f"rc={proc.returncode}: {err[-2000:]}")
+    shutil.rmtree(claim_dir, ignore_errors=True)
     if not found:
         pytest.fail("kernel check processes failed:\n" + "\n".join(errors))
     return found
@@ -85,6 +106,16 @@ def test_kernel_case(verdicts, name):
     r = verdicts.get(name)
     assert r is not None, f"case {name} produced no verdict"
     assert r["ok"], json.dumps(r, indent=1)
+
+
+def test_the_children_share_every_case_once_slowest_first(tmp_path):
+    """The claim order holds every registered case and check once, SLOW_FIRST's names (all registered) first; a name
+    is claimed by one process only."""
+    names = [name for name, _ in _work("cpu")]
+    registry = [c[0] for c in CASES + DOC_CASES + PREFIX_CASES] + [name for name, _ in CHECKS]
+    assert sorted(names) == sorted(registry) and len(set(names)) == len(names)
+    assert names[:len(SLOW_FIRST)] == list(SLOW_FIRST)
+    assert _claim(str(tmp_path), "sel_tma") and not _claim(str(tmp_path), "sel_tma")
 
 
 def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
@@ -324,4 +355,5 @@ if __name__ == "__main__":
 
         install()
     shard_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shard=")), "0/1")
-    main("cuda" if "--cuda" in sys.argv else "cpu", *map(int, shard_arg.split("/")))
+    claim = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--claim-dir=")), None)
+    main("cuda" if "--cuda" in sys.argv else "cpu", *map(int, shard_arg.split("/")), claim_dir=claim)
