@@ -35,17 +35,23 @@ def bench_one(fn, grad_inputs, dout, bwd):
     return ms, peak
 
 
-def kernel_ms(fn, grad_inputs, dout) -> float:
-    """GPU kernel time of one forward+backward (torch.profiler), beside do_bench's wall time: a row whose wall time
-    is well above it measures the host's launches (an eager op at a small size), not the kernels."""
-    from profile_block import profile_kernels
+def _fwdbwd(fn, grad_inputs, dout):
+    """-> a call of one forward+backward of ``fn`` (gradients cleared first, so they do not accumulate)."""
 
     def run():
         for x in grad_inputs:
             x.grad = None
         fn().backward(dout)
 
-    return profile_kernels(run, iters=3)["kernel_ms"]
+    return run
+
+
+def kernel_ms(fn, grad_inputs, dout) -> float:
+    """GPU kernel time of one forward+backward (torch.profiler), beside do_bench's wall time: a row whose wall time
+    is well above it measures the host's launches (an eager op at a small size), not the kernels."""
+    from profile_block import profile_kernels
+
+    return profile_kernels(_fwdbwd(fn, grad_inputs, dout), iters=3)["kernel_ms"]
 
 
 def graph_ms(fn, grad_inputs, dout) -> float:
@@ -56,11 +62,7 @@ def graph_ms(fn, grad_inputs, dout) -> float:
     model."""
     from triton.testing import do_bench
 
-    def run():
-        for x in grad_inputs:
-            x.grad = None
-        fn().backward(dout)
-
+    run = _fwdbwd(fn, grad_inputs, dout)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
