@@ -38,6 +38,7 @@ from nsa_titan.components.runtime import (
     start_process_group,
     world_from_env,
 )
+from nsa_titan.components.step_graph import StepGraph
 from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 
     device = resolve_device(tc.device, world.local_rank)
+    if job_config.compile.step_graph and device.type != "cuda":  # training.device 'auto' found no GPU
+        raise ConfigError(f"compile.step_graph captures CUDA graphs; this run's device is {device.type}: drop "
+                          "--compile.step_graph or run on a GPU")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     configure_cuda_allocator(device, tc.expandable_segments)
@@ -215,10 +219,20 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
     dc = job_config.data
 
+    def run_step(batches, sched):
+        return train_step(model, optimizer, sched, batches, params=params, max_norm=tc.max_norm, autocast=autocast,
+                          before_optimizer_step=res.before_optimizer_step, dp_degree=parallel_dims.dp_degree,
+                          grad_sync=job_config.parallelism.grad_sync, shard_local=job_config.optimizer.shard_local)
+
     def with_documents(batch):  # document starts (and restarted positions) of packed sequences, on device
         return add_document_inputs(batch, tokenizer.eos_id, dc.restart_positions) if dc.document_mask else batch
 
     first_step = res.start(model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader, device=device)
+    step_graph = None
+    if job_config.compile.step_graph:  # the whole step as one CUDA graph (components/step_graph.py)
+        res.guard.use_step_graph()
+        step_graph = StepGraph(run_step, optimizer, scheduler, warmup_steps=job_config.compile.step_graph_warmup,
+                               device=device, after_step=res.guard.record_graphed_step)
     dump = Path(job_config.job.dump_folder)
     logger = MetricsLogger(mc, dump_folder=dump, total_steps=tc.steps, device=device, world_size=world.world_size,
                            rank=world.rank, flops_per_token=flops_per_token, tokens_seen=res.train_state.tokens_seen,
@@ -243,12 +257,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             if cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
                 torch.compiler.cudagraph_mark_step_begin()
             with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
-                loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, params=params,
-                                             max_norm=tc.max_norm, autocast=autocast,
-                                             before_optimizer_step=res.before_optimizer_step,
-                                             dp_degree=parallel_dims.dp_degree,
-                                             grad_sync=job_config.parallelism.grad_sync,
-                                             shard_local=job_config.optimizer.shard_local)
+                if step_graph is None:
+                    loss, grad_norm = run_step(micro_batches, scheduler)
+                else:
+                    loss, grad_norm = step_graph(micro_batches)
             if unshard_early is not None:
                 unshard_early()
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
@@ -268,6 +280,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                 with logger.paused():
                     logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
                                                   retrieval_fn=retrieval_fn))
+                    if step_graph is not None:
+                        step_graph.after_eager_forward(model)
                 res.progress()
             profiler.step(step)  # profiler schedule and requested memory snapshots, between steps
         res.finish()  # wait for a background save; model export
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             print(f"[rank {world.rank}] {hint}", file=sys.stderr, flush=True)
         raise
     finally:
+        if step_graph is not None:
+            step_graph.close()  # before destroy_process_group: a live graph with NCCL kernels hangs it
         collector.close()
         profiler.close(error)  # an out-of-memory error writes a memory snapshot first
         logger.close()

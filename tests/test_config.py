@@ -178,6 +178,17 @@ def test_toml_int_accepted_for_float_but_not_bool_for_int(tmp_path):
     (["--compile.mode", "reduce-overhead"], ["compile.mode", "--compile.enable"]),
     (["--data.restart_positions"], ["data.restart_positions", "--data.document_mask"]),
     (["--compile.enable", "--compile.mode", "cudagraphs"], ["compile.mode", "'reduce-overhead'"]),
+    # a whole-step CUDA graph (components/step_graph.py): what it cannot capture is named with its fix
+    (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--compile.enable", "--compile.mode",
+      "reduce-overhead"], ["compile.mode", "'reduce-overhead'", "--compile.mode default"]),
+    (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--parallelism.data_parallel", "ddp"],
+     ["compile.step_graph", "'ddp'", "--parallelism.data_parallel fsdp2"]),
+    (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--parallelism.fsdp_unshard_early"],
+     ["parallelism.fsdp_unshard_early", "--compile.step_graph"]),
+    (["--compile.step_graph"], ["metrics.nsa_diagnostics", "--metrics.nsa_diagnostics false"]),
+    (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--training.device", "cpu"],
+     ["compile.step_graph", "training.device", "--training.device cuda"]),
+    (["--compile.step_graph_warmup", "0"], ["compile.step_graph_warmup", ">= 1"]),
 ])
 def test_cli_errors_name_key_and_fix(argv, must_contain):
     msg = _error(argv)
@@ -320,6 +331,14 @@ def test_job_config_to_dict_is_json_serialisable():
     d = job_config_to_dict(load_job_config(["--model.n_layers", "2"]))
     assert json.loads(json.dumps(d))["model"]["n_layers"] == 2
     assert set(d) == set(sections(JobConfig))
+
+
+def test_compile_mode_auto_resolves_to_default_under_a_step_graph():
+    """compile.step_graph captures the whole step: 'auto' must not add per-block graphs inside it, on one GPU too."""
+    argv = ["--compile.enable", "--compile.mode", "auto", "--metrics.nsa_diagnostics", "false"]
+    assert load_job_config(argv).compile.effective_mode("cuda", False) == "reduce-overhead"
+    graphed = load_job_config([*argv, "--compile.step_graph"]).compile
+    assert graphed.effective_mode("cuda", False) == "default" and not graphed.uses_cudagraphs("cuda", False)
 
 
 @pytest.mark.parametrize("mode, device_type, data_parallel, expected", [

@@ -364,6 +364,8 @@ class JobConfig:
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             raise ConfigError("activation_checkpoint.mode: 'memory_budget' is applied by torch.compile's partitioner; "
                               "add --compile.enable or choose another mode (full, selective_op, ratio)")
+        if self.compile.step_graph:
+            self._check_step_graph()
         model_args = self.model_args(training=training)
         gap = self.data.retrieval_min_gap
         uses_retrieval = self.data.dataset == "retrieval" or self.data.retrieval_mix > 0
@@ -372,6 +374,23 @@ class JobConfig:
                               "pairs could sit inside a query's sliding window, which would answer them without "
                               f"long-range attention; pass --data.retrieval_min_gap {model_args.window} or more, or "
                               "drop it (None: the window)")
+
+    def _check_step_graph(self) -> None:
+        """What a captured whole step cannot hold (components/step_graph.py)."""
+        if self.training.device == "cpu":
+            raise ConfigError("compile.step_graph captures CUDA graphs; training.device is 'cpu': use "
+                              "--training.device cuda (or auto on a GPU machine), or drop --compile.step_graph")
+        if self.parallelism.data_parallel != "fsdp2":
+            raise ConfigError(f"compile.step_graph runs on one GPU or with FSDP2; data_parallel="
+                              f"'{self.parallelism.data_parallel}' cannot be captured (DDP's reducer invalidates the "
+                              "capture): use --parallelism.data_parallel fsdp2, or drop --compile.step_graph")
+        if self.parallelism.fsdp_unshard_early:
+            raise ConfigError("parallelism.fsdp_unshard_early unshards between steps, which a replayed step graph "
+                              "never sees: drop it (the graph replays the all-gathers anyway) or --compile.step_graph")
+        if self.metrics.nsa_diagnostics:
+            raise ConfigError("metrics.nsa_diagnostics collects in the forward's Python on log steps, which a "
+                              "replayed step graph skips: add --metrics.nsa_diagnostics false with "
+                              "--compile.step_graph")
 
     def model_args(self, training: bool = True) -> NSAModelArgs:
         """The model this config describes: ``[model] flavor`` with the other ``[model]`` keys applied, checked by

@@ -97,6 +97,15 @@ class NonFiniteGuard:
         # 'stop' rewinds the host state to just before the first bad step, which may lie up to one log
         # window back: host snapshots (data position, schedule, RNG; no device data) of that many steps.
         self._snapshots: collections.deque = collections.deque(maxlen=max(1, history) + 1)
+        # Under a whole-step CUDA graph (compile.step_graph) before_optimizer_step runs once, at capture, and its
+        # device ops replay every step: the step number must then be a device tensor, and the step's flag is
+        # recorded after each replay (record_graphed_step), not by the captured Python.
+        self._step_dev: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
+
+    def use_step_graph(self) -> None:
+        """Switch to the graph-safe form (compile.step_graph): step number on device, flags recorded after replay."""
+        self._step_dev = torch.zeros((), dtype=torch.long, device=self.device)
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +119,8 @@ class NonFiniteGuard:
 
     def step_start(self, step: int, snapshot: Any = None) -> None:
         self.step = step
+        if self._step_dev is not None and self.enabled:
+            self._step_dev.fill_(step)  # a kernel argument, no host-to-device copy; read by the replayed step
         if self.policy == "stop" and snapshot is not None:
             self._snapshots.append((step - 1, snapshot))
 
@@ -122,15 +133,25 @@ class NonFiniteGuard:
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         first = bad & ~self._any
-        # torch.where with a Python scalar passes the step as a kernel argument: no host-to-device copy.
-        self._first_step = torch.where(first, self.step, self._first_step)
-        self._first_vals = torch.where(first, torch.stack([loss, grad_norm]), self._first_vals)
+        # The state is updated in place: a replayed step graph writes the tensors it captured. torch.where with a
+        # Python scalar passes the step as a kernel argument: no host-to-device copy.
+        step = self.step if self._step_dev is None else self._step_dev
+        self._first_step.copy_(torch.where(first, step, self._first_step))
+        self._first_vals.copy_(torch.where(first, torch.stack([loss, grad_norm]), self._first_vals))
         self._count += bad
         self._any |= bad
-        self._window.append((self.step, bad))
+        if self._step_dev is None:
+            self._window.append((self.step, bad))
+        else:
+            self._pending = bad  # recorded by record_graphed_step once the step has run
         drop = self._any if self.policy == "stop" else bad
         # 0-d, like the step counters; read by fused AdamW's step (as with GradScaler).
         optimizer.found_inf = drop.float()
+
+    def record_graphed_step(self) -> None:
+        """After each step under compile.step_graph: keep this step's flag (a copy: the next replay overwrites it)."""
+        if self.enabled and self._pending is not None:
+            self._window.append((self.step, self._pending.clone()))
 
     def wants_check(self) -> bool:
         return self.enabled and self.check_every_step
