@@ -5,6 +5,8 @@ copied outputs, the non-finite guard's records) trains exactly as the plain trai
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -138,3 +140,17 @@ def test_guard_records_each_replayed_step_with_its_own_number():
         else:
             assert report is None
     assert guard.skipped_steps == [3, 5]
+
+
+def test_trainer_refuses_a_step_graph_without_a_gpu(tmp_path):
+    """training.device 'auto' on a machine without a GPU: a config error naming the flag, before any model is built."""
+    from nsa_titan.config import ConfigError
+    from nsa_titan.train import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the step graph would run")
+    config = Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"
+    with pytest.raises(ConfigError, match="compile.step_graph") as err:
+        main(["--config", str(config), "--compile.step_graph", "--metrics.nsa_diagnostics", "false",
+              "--training.steps", "20", "--job.dump_folder", str(tmp_path)])
+    assert "run on a GPU" in str(err.value)
