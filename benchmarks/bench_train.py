@@ -40,6 +40,11 @@ VARIANTS = {
     "triton_compile_cg": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "reduce-overhead"],
     "torch_compile_cg": ["--model.attn_impl", "torch", "--compile.enable", "--compile.mode", "reduce-overhead"],
     "dense_compile_cg": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "reduce-overhead"],
+    # the whole optimizer step replayed as one CUDA graph (compile.step_graph; diagnostics cannot run inside it)
+    "triton_compile_sg": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "default",
+                          "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
+    "dense_compile_sg": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "default",
+                         "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
 }
 
 

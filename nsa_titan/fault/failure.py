@@ -104,7 +104,9 @@ class NonFiniteGuard:
         self._pending: torch.Tensor | None = None
 
     def use_step_graph(self) -> None:
-        """Switch to the graph-safe form (compile.step_graph): step number on device, flags recorded after replay."""
+        """Switch to the graph-safe form (compile.step_graph): step number on device, flags recorded after replay.
+        The fault-injection hook (``TrainHooks.before_optimizer_step``, tests) runs in the captured Python, so under
+        a graph it sees the warm-up steps and the capture's step only."""
         self._step_dev = torch.zeros((), dtype=torch.long, device=self.device)
 
     @property
