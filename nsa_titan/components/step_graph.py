@@ -2,11 +2,11 @@
 
 Why: a small NSA model's step is bound by the host, not the GPU. Without graphs the compiled m7c step at 8k batch 2
 takes 56-59 ms on an H100 for ~46 ms of GPU work, and under FSDP2 on two GPUs 93 ms, FSDP2's own Python landing
-on top (benchmarks/results/step_graph_s29_*.json). The per-block graphs of compile.mode 'reduce-overhead' cannot
+on top (benchmarks/results/step_graph_s29_H100.md). The per-block graphs of compile.mode 'reduce-overhead' cannot
 run under data parallelism (FSDP2's unsharded parameters move between steps); one graph of the whole step can: the
 all-gathers, reduce-scatters and all-reduces are captured with everything else, so the host runs FSDP2's Python
-once, while capturing. Measured: m7c FSDP2 93.3 -> 45.1 ms per step against one GPU's 46.0, replays bitwise equal
-to an eager step from the same state.
+once, while capturing. Measured: m7c FSDP2 93.3 -> 45.1 ms per step against one GPU's 46.0, a replay bitwise equal
+to an eager FSDP2 step from the same state (benchmarks/step_graph_probe.py).
 
 How, per step after ``warmup_steps`` eager ones (which train as usual; compiling happens there):
 - The micro-batches are copied into static buffers (the captured step reads those addresses); every step must keep
