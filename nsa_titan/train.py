@@ -38,7 +38,7 @@ from nsa_titan.components.runtime import (
     start_process_group,
     world_from_env,
 )
-from nsa_titan.components.step_graph import StepGraph
+from nsa_titan.components.step_graph import StepGraph, require_cuda
 from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
@@ -137,9 +137,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     _print0(world, "# resolved config\n" + config_to_toml(job_config))
 
     device = resolve_device(tc.device, world.local_rank)
-    if job_config.compile.step_graph and device.type != "cuda":  # training.device 'auto' found no GPU
-        raise ConfigError(f"compile.step_graph captures CUDA graphs; this run's device is {device.type}: drop "
-                          "--compile.step_graph or run on a GPU")
+    if job_config.compile.step_graph:
+        require_cuda(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     configure_cuda_allocator(device, tc.expandable_segments)

@@ -32,9 +32,18 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from nsa_titan.config import ConfigError
+
 Batch = dict[str, torch.Tensor]
 Outputs = tuple[torch.Tensor, ...]
 StepFn = Callable[[Sequence[Batch], object], Outputs]
+
+
+def require_cuda(device: torch.device) -> None:
+    """The trainer's check before any model is built: training.device 'auto' may have found no GPU."""
+    if device.type != "cuda":
+        raise ConfigError(f"compile.step_graph captures CUDA graphs; this run's device is {device.type}: drop "
+                          "--compile.step_graph or run on a GPU")
 
 
 class NoSchedule:
