@@ -41,19 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
 from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
+from nsa_titan.components.step_graph import NoSchedule  # noqa: E402
 from nsa_titan.components.train_step import train_step  # noqa: E402
 from nsa_titan.config import load_job_config  # noqa: E402
 from nsa_titan.data import tokenizer_from_config  # noqa: E402
 from nsa_titan.models import resolve_attn_impl  # noqa: E402
 from nsa_titan.parallelisms import ParallelDims  # noqa: E402
 from nsa_titan.train import build_training_model, resolve_model_args  # noqa: E402
-
-
-class _Constant:
-    """The scheduler train_step steps: none (a captured step keeps the lr tensor it was captured with)."""
-
-    def step(self) -> None:
-        pass
 
 
 def _state(model, optimizer) -> list[torch.Tensor]:
@@ -109,7 +103,7 @@ def main() -> None:
         batch["labels"].random_(0, model_args.vocab_size, generator=gen)
 
     def step() -> torch.Tensor:
-        loss, _ = train_step(model, optimizer, _Constant(), [batch], params=params, max_norm=tc.max_norm,
+        loss, _ = train_step(model, optimizer, NoSchedule(), [batch], params=params, max_norm=tc.max_norm,
                              autocast=lambda: autocast_context(device, tc.mixed_precision),
                              dp_degree=dims.dp_degree,
                              grad_sync=cfg.parallelism.grad_sync, shard_local=cfg.optimizer.shard_local)
