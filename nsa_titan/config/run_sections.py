@@ -132,7 +132,8 @@ class Compile:
     FSDP2 on 2 GPUs 93 -> 45 ms per step, one GPU 46 ms; components/step_graph.py). CUDA only; one GPU or
     data_parallel 'fsdp2' (DDP and FSDP1 cannot be captured); with compile.enable the blocks compile with mode
     'default' ('auto' resolves so); every step's batches must keep their shapes; metrics.nsa_diagnostics and
-    parallelism.fsdp_unshard_early must be off. Without compile.enable the eager model is captured."""
+    parallelism.fsdp_unshard_early must be off. Without compile.enable the eager model is captured (measured on GPUs
+    only compiled so far)."""
     step_graph_warmup: int = 3
     """Eager steps before the capture (they train as usual; the first one compiles)."""
 
