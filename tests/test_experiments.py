@@ -347,3 +347,16 @@ def test_dp_compare_interleaves_rounds(tmp_path, monkeypatch):
     assert seen == ["ac-none_1gpu", "ac-full_1gpu", "ac-none_1gpu_r2", "ac-full_1gpu_r2"]
     assert [r["rounds_tokens_per_s_per_gpu"] for r in result["rows"]] == [[1001.0, 1003.0], [1002.0, 1004.0]]
     assert "2 rounds per cell" in (tmp_path / "dp_compare_dp.md").read_text()
+
+
+def test_dp_compare_with_a_step_graph_asks_for_fsdp2_only(tmp_path, monkeypatch):
+    """compile.step_graph cannot capture DDP or FSDP1 steps: dp_compare says so before it starts any run, naming the
+    fix, instead of filling the table with their config errors; with --data-parallel fsdp2 it plans the runs."""
+    monkeypatch.setattr(common.Runner, "run", lambda self, name, gpus, args, fields: {
+        "run": name, "gpus": gpus, "error": "not run", **fields})
+    argv = ["--config", "train_configs/m7c_125m.toml", "--gpus", "1,2", "--ac", "none", "--out", str(tmp_path)]
+    graph = ["--", "--compile.enable", "--compile.step_graph", "--metrics.nsa_diagnostics", "false"]
+    with pytest.raises(SystemExit, match="--data-parallel fsdp2"):
+        dp_compare.main([*argv, *graph])
+    result = dp_compare.main([*argv, "--data-parallel", "fsdp2", *graph])
+    assert sorted(r["data_parallel"] for r in result["rows"]) == ["fsdp2", "none"]

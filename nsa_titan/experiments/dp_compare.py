@@ -19,6 +19,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from nsa_titan.config import ConfigError, load_job_config
 from nsa_titan.experiments.common import (
     REPO,
     Runner,
@@ -47,6 +48,15 @@ def ac_args(spec: str) -> list[str]:
             raise SystemExit(f"--ac {spec}: give the value, e.g. {mode}:0.5")
         out += [f"--activation_checkpoint.{mode}", value]
     return out
+
+
+def _step_graph(config: str, extra: list[str]) -> bool:
+    """Whether the runs capture whole steps (compile.step_graph, in the config file or the trainer flags). A config
+    the trainer would refuse is not decided here: each run reports it."""
+    try:
+        return load_job_config(["--config", config, *extra]).compile.step_graph
+    except ConfigError:
+        return False
 
 
 def plan_runs(gpus: list[int], acs: list[str], kinds: list[str]) -> list[dict[str, Any]]:
@@ -199,13 +209,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # Like with like: compile.mode 'auto' (the m7c config's) would replay the 1-GPU run as CUDA graphs, which
         # data-parallel runs cannot use, and the scaling column would then measure graphs, not the wrapper.
         extra += ["--compile.mode", "default"]
+    kinds = a.data_parallel.split(",")
+    if _step_graph(a.config, extra) and set(kinds) - {"fsdp2"}:
+        raise SystemExit(f"--compile.step_graph captures FSDP2 steps only (DDP's reducer and FSDP1 cannot be "
+                         f"captured), but --data-parallel asks for {a.data_parallel}: pass --data-parallel fsdp2")
     out = Path(a.out)
     runner = Runner(out / f"dp_compare_{a.tag}", warmup=a.warmup, steps=a.steps, timeout_s=a.run_timeout_s,
                     time_limit_s=a.time_limit_s, force=a.force, gpu=not a.cpu)
     have = None if a.cpu else visible_gpus()
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
-    runs = plan_runs([int(g) for g in a.gpus.split(",")], a.ac.split(","), a.data_parallel.split(","))
+    runs = plan_runs([int(g) for g in a.gpus.split(",")], a.ac.split(","), kinds)
     per_cell: dict[str, list[dict[str, Any]]] = {run["name"]: [] for run in runs}
     for k in range(1, a.rounds + 1):
         for run in runs:
