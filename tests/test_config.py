@@ -185,6 +185,8 @@ def test_toml_int_accepted_for_float_but_not_bool_for_int(tmp_path):
      ["compile.step_graph", "'ddp'", "--parallelism.data_parallel fsdp2"]),
     (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--parallelism.fsdp_unshard_early"],
      ["parallelism.fsdp_unshard_early", "--compile.step_graph"]),
+    (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--parallelism.fsdp_cpu_offload"],
+     ["parallelism.fsdp_cpu_offload", "--compile.step_graph"]),
     (["--compile.step_graph"], ["metrics.nsa_diagnostics", "--metrics.nsa_diagnostics false"]),
     (["--compile.step_graph", "--metrics.nsa_diagnostics", "false", "--training.device", "cpu"],
      ["compile.step_graph", "training.device", "--training.device cuda"]),

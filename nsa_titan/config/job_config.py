@@ -384,6 +384,9 @@ class JobConfig:
             raise ConfigError(f"compile.step_graph runs on one GPU or with FSDP2; data_parallel="
                               f"'{self.parallelism.data_parallel}' cannot be captured (DDP's reducer invalidates the "
                               "capture): use --parallelism.data_parallel fsdp2, or drop --compile.step_graph")
+        if self.parallelism.fsdp_cpu_offload:
+            raise ConfigError("parallelism.fsdp_cpu_offload steps the optimizer on the CPU, which a CUDA graph cannot "
+                              "capture: drop --parallelism.fsdp_cpu_offload or --compile.step_graph")
         if self.parallelism.fsdp_unshard_early:
             raise ConfigError("parallelism.fsdp_unshard_early unshards between steps, which a replayed step graph "
                               "never sees: drop it (the graph replays the all-gathers anyway) or --compile.step_graph")

@@ -131,9 +131,9 @@ class Compile:
     host-bound runs, above all data-parallel ones, where 'reduce-overhead' cannot run (H100, m7c 8k batch 2:
     FSDP2 on 2 GPUs 93 -> 45 ms per step, one GPU 46 ms; components/step_graph.py). CUDA only; one GPU or
     data_parallel 'fsdp2' (DDP and FSDP1 cannot be captured); with compile.enable the blocks compile with mode
-    'default' ('auto' resolves so); every step's batches must keep their shapes; metrics.nsa_diagnostics and
-    parallelism.fsdp_unshard_early must be off. Without compile.enable the eager model is captured (measured on GPUs
-    only compiled so far)."""
+    'default' ('auto' resolves so); every step's batches must keep their shapes; metrics.nsa_diagnostics,
+    parallelism.fsdp_unshard_early and fsdp_cpu_offload must be off. Without compile.enable the eager model is
+    captured (measured on GPUs only compiled so far)."""
     step_graph_warmup: int = 3
     """Eager steps before the capture (they train as usual; the first one compiles)."""
 
