@@ -23,10 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from _reference_step import reference_forward_backward
+from _step_graph_stand_in import stand_in
 from nsa_titan.components.optimizer import build_optimizer
-from nsa_titan.components.train_step import clip_grad_norm, forward_backward, full_param_shapes
+from nsa_titan.components.step_graph import StepGraph
+from nsa_titan.components.train_step import clip_grad_norm, forward_backward, full_param_shapes, train_step
 from nsa_titan.config import load_job_config
 from nsa_titan.data import IGNORE_INDEX
 from nsa_titan.models import build_model, get_model_args
@@ -49,9 +52,9 @@ def job_config(*overrides: str, n_layers: int = 2, ga: int = 1):
                             str(n_layers), "--training.grad_accum_steps", str(ga), *overrides])
 
 
-def opt_cfg(shard_local: bool = True):
+def opt_cfg(shard_local: bool = True, fused: bool | str = False):
     # Large lr and weight decay: a wrong decay group or update shows up in the later steps' losses.
-    return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=False,
+    return SimpleNamespace(name="adamw", lr=1e-2, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.5, fused=fused,
                            shard_local=shard_local)
 
 
@@ -145,6 +148,40 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
             unshard_early()
             assert not any(isinstance(p, DTensor) for p in model.layers["0"].parameters()), "first unit not gathered"
     return losses, grads, norms
+
+
+def run_dp_step_graph(state, cfg, n_layers: int, ga: int, steps: int = STEPS):
+    """The trainer's compile.step_graph wiring under FSDP2: train_step inside a StepGraph whose capture is the eager
+    stand-in (tests/_step_graph_stand_in.py: each replay re-runs the step against the captured learning rate
+    tensors), one warm-up step, and a no-grad forward between steps followed by the reshard the trainer does after
+    validation. The fused AdamW (which the trainer's non-finite guard asks for) takes a tensor lr on the CPU.
+    Losses and clipping norms; train_step clears the gradients, so none are returned."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    dims = ParallelDims.from_config(WORLD, cfg.parallelism)
+    with torch.device("meta"):
+        model = build_model(tiny_args(n_layers))
+    model = parallelize_nsa(model, dims, cfg, torch.device("cpu"))
+    set_model_state_dict(model, {k: v for k, v in state.items() if "rope" not in k},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    opt = build_optimizer(model, opt_cfg(fused="auto"), "cpu", require_fused=True)
+    params = [p for p in model.parameters()]
+    graph = StepGraph(lambda mbs, sched: train_step(model, opt, sched, mbs, params=params, max_norm=1.0,
+                                                    dp_degree=dims.dp_degree),
+                      opt, LambdaLR(opt, lambda s: 1.0), warmup_steps=1, device=torch.device("cpu"),
+                      capture=stand_in(opt))
+    rank, losses, norms = dist.get_rank(), [], []
+    for step in range(steps):
+        mbs = [local(mb, rank) for mb in global_batches(step, ga, tiny_args().vocab_size)]
+        loss, norm = graph(mbs)
+        losses.append(loss.item())
+        norms.append(norm.item())
+        with torch.no_grad():  # validation between replays
+            model(mbs[0]["input"])
+        graph.after_eager_forward(model)
+        assert all(isinstance(p, DTensor) for p in model.parameters()), "a unit left unsharded after the reshard"
+    assert graph.captured
+    return losses, [], norms
 
 
 def fsdp2_units_of_blocks(n_layers: int, per_unit: int) -> list[int]:
@@ -279,6 +316,13 @@ def _worker(rank: int, port: int, scenario: str, only: list[str] | None, out_pat
             cfg = job_config(*overrides, n_layers=n_layers, ga=ga)
             got = run_dp(reference_state(n_layers), cfg, n_layers, ga, backend=backend[0] if backend else "inductor")
             results[case] = compare(refs[key], got)
+        if scenario == "parity" and (not only or "fsdp2_step_graph_never_reshard_ga2" in only):
+            # FSDP2 units that stay unsharded after forward: the reshard after the no-grad forward is needed
+            cfg = job_config("--parallelism.data_parallel", "fsdp2", "--parallelism.fsdp_reshard_after_forward",
+                             "never", ga=2)
+            ref = refs.get((2, 2)) or run_single(reference_state(2), 2, 2)
+            results["fsdp2_step_graph_never_reshard_ga2"] = {
+                **compare(ref, run_dp_step_graph(reference_state(2), cfg, 2, 2)), "grads_compared": False}
         if scenario == "parity":
             for dp in ("fsdp2", "fsdp1", "ddp"):
                 results[f"{dp}_init"] = init_matches_single_process(dp)

@@ -46,7 +46,8 @@ def _check(results: dict, expected_cases: list[str]) -> None:
 
 # ---- data parallelism == one process --------------------------------------------------------------------
 def test_fsdp2_fsdp1_ddp_match_single_process():
-    """3 steps with and without GA (both sync policies), plus HSDP, reshard/prefetch/offload variants; and
+    """3 steps with and without GA (both sync policies), plus HSDP, reshard/prefetch/offload variants and the step
+    graph's wiring; and
     each wrapper's own initialisation equals one process's (on CPU, sharded FSDP2 init once duplicated
     the same random rows on every rank)."""
     results = launch("parity")
@@ -55,7 +56,10 @@ def test_fsdp2_fsdp1_ddp_match_single_process():
               "fsdp2_units2_prefetch1_ga2",
               "fsdp2_units2_full_ac", "fsdp2_units2_ratio_ga2", "fsdp2_units2_init", "fsdp2_unshard_early_units2_ga2",
               "fsdp2_always_reshard_cpu_offload",
-              "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph"]
+              "fsdp1_grad_op_post_prefetch", "ddp_no_static_graph",
+              # compile.step_graph's wiring with the eager stand-in for the capture: losses and clip norms (and the
+              # worker asserts every unit resharded after a no-grad forward between steps)
+              "fsdp2_step_graph_never_reshard_ga2"]
     _check(results, cases)
     assert results["fsdp2_units2_init"]["units"] == [0, 0, 2]  # blocks 0 and 1 share a unit, block 2 is alone
 

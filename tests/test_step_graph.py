@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from _step_graph_stand_in import stand_in
 from nsa_titan.components.lr_scheduler import build_lr_scheduler
 from nsa_titan.components.step_graph import StepGraph
 from nsa_titan.components.train_step import train_step
@@ -54,31 +55,6 @@ def _step_fn(model, opt):
     return lambda batches, sched: train_step(model, opt, sched, batches, params=params, max_norm=1.0)
 
 
-def _stand_in(opt):
-    """cuda_capture's contract without a GPU: record the step without running it; each replay runs it against the
-    learning rate tensors the capture saw in the param groups (what the graph's AdamW kernel reads)."""
-
-    def capture(fn):
-        captured_lrs = [g["lr"] for g in opt.param_groups]
-        assert all(isinstance(lr, torch.Tensor) for lr in captured_lrs)
-        outputs = (torch.zeros(()), torch.zeros(()))
-
-        def replay():
-            floats = [g["lr"] for g in opt.param_groups]
-            for g, lr in zip(opt.param_groups, captured_lrs):
-                g["lr"] = lr
-            try:
-                for o, r in zip(outputs, fn()):
-                    o.copy_(r)
-            finally:
-                for g, lr in zip(opt.param_groups, floats):
-                    g["lr"] = lr
-
-        return outputs, replay, lambda: None
-
-    return capture
-
-
 def test_step_graph_trains_exactly_as_the_plain_step():
     """Bitwise against train_step with the learning rate as a float32 tensor: what the replayed AdamW reads. (A
     Python float lr differs from it by one float32 rounding of the lr: 1.2e-7 in the weights here on the CPU.)"""
@@ -91,7 +67,7 @@ def test_step_graph_trains_exactly_as_the_plain_step():
 
     model, opt, sched = _setup()
     graph = StepGraph(_step_fn(model, opt), opt, sched, warmup_steps=2, device=torch.device("cpu"),
-                      capture=_stand_in(opt))
+                      capture=stand_in(opt))
     graphed, lrs = [], []
     for i, mbs in enumerate(steps):
         lrs.append(sched.get_last_lr()[0])
@@ -112,7 +88,7 @@ def test_step_graph_trains_exactly_as_the_plain_step():
 def test_step_graph_rejects_a_batch_unlike_the_captured_one():
     model, opt, sched = _setup()
     graph = StepGraph(_step_fn(model, opt), opt, sched, warmup_steps=1, device=torch.device("cpu"),
-                      capture=_stand_in(opt))
+                      capture=stand_in(opt))
     first, second = _batches(2)
     graph(first)
     graph(second)  # captured with these shapes
@@ -173,10 +149,10 @@ def test_trainer_with_a_step_graph_trains_as_without(tmp_path, monkeypatch):
     class CPUStepGraph(StepGraph):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            stand_in, self.replays = _stand_in(self.optimizer), 0
+            eager_capture, self.replays = stand_in(self.optimizer), 0
 
             def capture(fn):
-                outputs, replay, release = stand_in(fn)
+                outputs, replay, release = eager_capture(fn)
 
                 def counted():
                     self.replays += 1
