@@ -117,7 +117,8 @@ def run_single(state, n_layers: int, ga: int, steps: int = STEPS, ac_model=None)
     return losses, grads, norms
 
 
-def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str = "inductor"):
+def dp_model(state, cfg, n_layers: int, backend: str = "inductor"):
+    """-> (the model parallelized as the case's config says, its ParallelDims), holding the reference's weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     dims = ParallelDims.from_config(WORLD, cfg.parallelism)
@@ -127,6 +128,11 @@ def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str 
     # The same initial weights as the reference (sharded / broadcast as each wrapper needs).
     set_model_state_dict(model, {k: v for k, v in state.items() if "rope" not in k},
                          options=StateDictOptions(full_state_dict=True, strict=False))
+    return model, dims
+
+
+def run_dp(state, cfg, n_layers: int, ga: int, steps: int = STEPS, backend: str = "inductor"):
+    model, dims = dp_model(state, cfg, n_layers, backend)
     # optimizer.shard_local from the case's overrides: FSDP2 clips and steps on local shards or through DTensor
     shard_local = cfg.optimizer.shard_local
     with full_param_shapes(model):
@@ -156,14 +162,7 @@ def run_dp_step_graph(state, cfg, n_layers: int, ga: int, steps: int = STEPS):
     tensors), one warm-up step, and a no-grad forward between steps followed by the reshard the trainer does after
     validation. The fused AdamW (which the trainer's non-finite guard asks for) takes a tensor lr on the CPU.
     Losses and clipping norms; train_step clears the gradients, so none are returned."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    dims = ParallelDims.from_config(WORLD, cfg.parallelism)
-    with torch.device("meta"):
-        model = build_model(tiny_args(n_layers))
-    model = parallelize_nsa(model, dims, cfg, torch.device("cpu"))
-    set_model_state_dict(model, {k: v for k, v in state.items() if "rope" not in k},
-                         options=StateDictOptions(full_state_dict=True, strict=False))
+    model, dims = dp_model(state, cfg, n_layers)
     opt = build_optimizer(model, opt_cfg(fused="auto"), "cpu", require_fused=True)
     params = [p for p in model.parameters()]
     graph = StepGraph(lambda mbs, sched: train_step(model, opt, sched, mbs, params=params, max_norm=1.0,
