@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_block's kernel categories (--profile)
 
 from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
 from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
@@ -63,6 +64,19 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
 
 
+def _trace(fn, path: Path, shapes: bool) -> None:
+    """One call of fn under torch.profiler (CPU and CUDA), exported as a chrome trace to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes,
+                 with_stack=shapes) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -70,9 +84,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (compiles in phase 1)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", required=True)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N replays (torch.profiler): every kernel's GPU ms per step, by name and by "
+                    "profile_block.py's categories, in the JSON's 'replay_profile' (one graph: nothing but the GPU's "
+                    "own time, so NSA and dense steps diff kernel by kernel)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also write chrome traces (gzipped, beside the JSON) of one eager step with shapes and call "
+                    "stacks (which op launched each kernel) and of one replay (the streams' overlap)")
     ap.add_argument("--cpu", action="store_true", help="a dry run of everything but the graph (CPU, gloo): the state "
                     "check then compares two eager steps from one saved state (tests)")
     args, extra = ap.parse_known_args()
+    if args.cpu and (args.profile or args.trace):
+        ap.error("--profile and --trace read the GPU's kernels from graph replays: leave them out with --cpu")
     extra = [a for a in extra if a != "--"]
     compiled = [] if args.cpu else ["--compile.enable", "--compile.mode", "default"]  # the dry run: eager, quick
     cfg = load_job_config(["--config", args.config, *compiled, *extra])
@@ -170,6 +193,15 @@ def main() -> None:
         if not args.cpu:
             res["graph_step_s"], res["graph_losses"] = timed(replay)
             res["speedup"] = res["eager_step_s"] / res["graph_step_s"]
+            if args.profile:
+                from profile_block import profile_kernels  # benchmarks/ is on sys.path (below)
+
+                res["replay_profile"] = profile_kernels(replay, iters=args.profile)
+            if args.trace:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                _trace(step, out / f"trace_{args.tag}_eager_r{world.rank}.json.gz", shapes=True)
+                _trace(replay, out / f"trace_{args.tag}_replay_r{world.rank}.json.gz", shapes=False)
     except Exception as e:  # noqa: BLE001 - the probe reports why capture or replay failed
         res["graph_error"] = f"{type(e).__name__}: {e}"
         res["graph_traceback"] = traceback.format_exc()[-4000:]

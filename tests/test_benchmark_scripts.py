@@ -360,3 +360,14 @@ def test_step_graph_probe_dry_run_restores_the_state_it_checks(tmp_path):
     assert results["probe"]["replay_loss_equal"] and results["probe"]["replay_params_equal"]
     assert not results["broken"]["replay_params_equal"]
     assert results["probe"]["eager_step_s"] > 0 and len(results["probe"]["eager_losses"]) == 1
+
+
+def test_step_graph_probe_refuses_profiling_without_a_gpu(tmp_path):
+    """--profile and --trace read kernels from graph replays, which the CPU dry run does not make: an error that names
+    the fix, not a run that silently profiles nothing."""
+    proc = subprocess.run(
+        [sys.executable, str(common.REPO / "benchmarks" / "step_graph_probe.py"), "--config",
+         str(common.REPO / "train_configs" / "debug_model.toml"), "--cpu", "--profile", "2", "--out", str(tmp_path),
+         "--tag", "x"], capture_output=True, text=True, timeout=120, cwd=common.REPO)
+    assert proc.returncode == 2 and "leave them out with --cpu" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
