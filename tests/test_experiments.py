@@ -242,6 +242,38 @@ def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypa
     assert again["rows"][0]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
 
 
+TORCHRUN_LOG = """Setting OMP_NUM_THREADS environment variable for each process to be 1 in default
+config error: lr_scheduler.warmup_steps (100) exceeds training.steps (30); lower --lr_scheduler.warmup_steps
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+
+
+def test_a_failed_run_reports_its_cause_and_runs_again_once_mended(tmp_path, monkeypatch):
+    """A torchrun job's log ends with torchrun's report, which names no cause: the error column shows the trainer's
+    config error. The crash is not reused by the next invocation (its flags may be mended); an out-of-memory row is
+    (the cell does not fit), but only for the same command."""
+    launched = []
+
+    def fake_run(cmd, stdout=None, **kw):
+        launched.append(cmd)
+        stdout.write(TORCHRUN_LOG if len(launched) == 1 else "torch.OutOfMemoryError: CUDA out of memory.\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    runner = common.Runner(tmp_path, warmup=1, steps=2, timeout_s=10, gpu=False, log=lambda _: None)
+    row = runner.run("r", 2, ["--config", "x.toml"], {})
+    assert row["error"].startswith("exit 1: config error: lr_scheduler.warmup_steps (100)"), row["error"]
+    assert runner.run("r", 2, ["--config", "x.toml"], {})["error"] == "out of memory" and len(launched) == 2
+    assert runner.run("r", 2, ["--config", "x.toml"], {})["error"] == "out of memory" and len(launched) == 2
+    runner.run("r", 2, ["--config", "x.toml", "--training.local_batch_size", "1"], {})
+    assert len(launched) == 3
+    assert common.failure_line(["a", "b", "c", "d"]) == "b | c | d"
+    assert common.failure_line(["x", "ValueError: bad", "RuntimeError: later"]) == "ValueError: bad"
+
+
 @pytest.mark.parametrize("extra, mode", [([], "default"), (["--compile.mode", "reduce-overhead"], "reduce-overhead"),
                                          (["--compile.mode=auto"], "auto")])
 def test_dp_compare_compares_one_gpu_in_the_wrappers_compile_mode(tmp_path, monkeypatch, extra, mode):

@@ -3,8 +3,9 @@ resumable result caching, markdown tables and (optional) matplotlib plots.
 
 Every run is a fresh process (``python -m nsa_titan.train`` or ``torchrun``), so memory and compile caches start
 clean, and the parent never touches the GPU (a CUDA context in the parent would take memory from the runs).
-A finished run leaves ``<out>/runs/<name>/row.json``; running the same command again reuses it (``--force`` re-runs),
-so an experiment can be spread over several short calls (``--time-limit-s`` stops launching new runs in time).
+A finished run leaves ``<out>/runs/<name>/row.json``; running the same command again reuses it (``--force`` re-runs;
+a crashed run, anything but out of memory, always runs again), so an experiment can be spread over several short
+calls (``--time-limit-s`` stops launching new runs in time).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +42,20 @@ def launch_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
         return [sys.executable, "-m", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", module, *args]
+
+
+_CAUSE = re.compile(r"^(config error:|[A-Za-z_.]*(Error|Exception):)")
+
+
+def failure_line(lines: Sequence[str]) -> str:
+    """What a failed run's log says went wrong: the first config error or exception line (what the trainer printed,
+    in every rank's copy alike), else the last three lines. A torchrun job's log ends with torchrun's own report
+    ("ChildFailedError", "error_file: <N/A>"), which names no cause."""
+    for line in lines:
+        text = line.strip()
+        if _CAUSE.match(text) and not text.startswith(("torch.distributed.elastic", "ChildFailedError")):
+            return text
+    return " | ".join(lines[-3:])
 
 
 def child_env(nproc: int, gpu: bool) -> dict[str, str]:
@@ -111,23 +127,31 @@ class Runner:
         self.force, self.gpu, self.log = force, gpu, log
         self.pending: list[str] = []  # runs not started because the time limit was reached
 
-    def cached(self, name: str) -> dict[str, Any] | None:
+    def cached(self, name: str, cmd: Sequence[str] | None = None) -> dict[str, Any] | None:
+        """The finished run ``name``'s row, when it is a result: not a crash (an out-of-memory row is one: the
+        cell does not fit), and, given ``cmd``, run by that same command. A run that failed, say on a config error,
+        runs again once the flags are mended, instead of its error being reused under the same name."""
         path = self.out / "runs" / name / "row.json"
-        return None if self.force or not path.exists() else json.loads(path.read_text())
+        if self.force or not path.exists():
+            return None
+        row = json.loads(path.read_text())
+        if row.get("error") not in (None, "out of memory"):
+            return None
+        return row if cmd is None or row.get("command") == " ".join(cmd) else None
 
     def run(self, name: str, nproc: int, args: Sequence[str], meta: dict[str, Any]) -> dict[str, Any] | None:
         """One trainer job (``args``: config + overrides); None when the time limit stops it from starting."""
-        row = self.cached(name)
+        run_dir = self.out / "runs" / name
+        train_args = [*args, *QUIET_RUN, "--training.steps", str(self.steps), "--metrics.log_freq", str(self.warmup),
+                      "--job.dump_folder", str(run_dir)]
+        cmd = launch_command(nproc, "nsa_titan.train", train_args)
+        row = self.cached(name, cmd)
         if row is not None:
             return row
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.pending.append(name)
             return None
-        run_dir = self.out / "runs" / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        train_args = [*args, *QUIET_RUN, "--training.steps", str(self.steps), "--metrics.log_freq", str(self.warmup),
-                      "--job.dump_folder", str(run_dir)]
-        cmd = launch_command(nproc, "nsa_titan.train", train_args)
         self.log(f"[{name}] $ {' '.join(cmd)}")
         t0 = time.monotonic()
         with open(run_dir / "train.log", "w") as logf:
@@ -145,9 +169,9 @@ class Runner:
                    compile=summary.get("compile"),
                    flops_per_token=(summary.get("model") or {}).get("training_flops_per_token"))
         if rc != 0 or stats is None:
-            tail = (run_dir / "train.log").read_text().splitlines()[-3:]
-            oom = any("out of memory" in line.lower() for line in (run_dir / "train.log").read_text().splitlines())
-            row["error"] = "out of memory" if oom else f"exit {rc}: {' | '.join(tail)[-300:]}"
+            lines = (run_dir / "train.log").read_text().splitlines()
+            oom = any("out of memory" in line.lower() for line in lines)
+            row["error"] = "out of memory" if oom else f"exit {rc}: {failure_line(lines)[-300:]}"
         else:
             row.update(stats)
         if rc != "timeout":  # a timed-out run may succeed with more time: not cached
