@@ -274,6 +274,31 @@ def test_a_failed_run_reports_its_cause_and_runs_again_once_mended(tmp_path, mon
     assert common.failure_line(["x", "ValueError: bad", "RuntimeError: later"]) == "ValueError: bad"
 
 
+def test_runs_shorter_than_the_configs_lr_warmup_get_a_short_warmup(tmp_path, monkeypatch):
+    """nsa_1b.toml warms the lr up over 100 steps, and the trainer refuses a warm-up longer than training.steps: the
+    documented `dp_compare --config train_configs/nsa_1b.toml` (12 steps) failed every run on that. The runner hands
+    the runs a warm-up of its untimed steps instead, says so once, and leaves a warm-up the flags name alone."""
+    launched, said = [], []
+
+    def fake_run(cmd, stdout=None, **kw):
+        launched.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    runner = common.Runner(tmp_path, warmup=4, steps=12, timeout_s=10, gpu=False, log=said.append)
+    for name in ("a", "b"):
+        runner.run(name, 1, ["--config", "train_configs/nsa_1b.toml"], {})
+    for cmd in launched:
+        i = cmd.index("--lr_scheduler.warmup_steps")
+        assert cmd[i + 1] == "4" and cmd.count("--lr_scheduler.warmup_steps") == 1
+    assert sum("lr warm-up (100 steps)" in x for x in said) == 1
+    runner.run("c", 1, ["--config", "train_configs/nsa_1b.toml", "--lr_scheduler.warmup_steps", "50"], {})
+    common.Runner(tmp_path, warmup=4, steps=20, timeout_s=10, gpu=False, log=said.append).run(
+        "d", 1, ["--config", "train_configs/debug_model.toml"], {})  # its 15-step warm-up fits 20 steps
+    assert launched[2].count("--lr_scheduler.warmup_steps") == 1 and "50" in launched[2]
+    assert "--lr_scheduler.warmup_steps" not in launched[3]
+
+
 @pytest.mark.parametrize("extra, mode", [([], "default"), (["--compile.mode", "reduce-overhead"], "reduce-overhead"),
                                          (["--compile.mode=auto"], "auto")])
 def test_dp_compare_compares_one_gpu_in_the_wrappers_compile_mode(tmp_path, monkeypatch, extra, mode):

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from nsa_titan.config import ConfigError, load_job_config
+
 REPO = Path(__file__).resolve().parents[2]
 # NVLink multicast off in every child (see README: run_train.sh exports the same).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -125,6 +127,7 @@ class Runner:
         self.out, self.warmup, self.steps, self.timeout_s = Path(out), warmup, steps, timeout_s
         self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.force, self.gpu, self.log = force, gpu, log
+        self._told_warmup = False
         self.pending: list[str] = []  # runs not started because the time limit was reached
 
     def cached(self, name: str, cmd: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -139,11 +142,32 @@ class Runner:
             return None
         return row if cmd is None or row.get("command") == " ".join(cmd) else None
 
+    def short_warmup(self, args: Sequence[str]) -> list[str]:
+        """``--lr_scheduler.warmup_steps W`` when the config's lr warm-up is longer than the runs (the trainer refuses
+        a warm-up longer than training.steps, and every config meant for training has one: nsa_1b's and m7c's are
+        100 steps, these runs 12-40): W = the untimed steps, so the ramp ends before the timing starts. Throughput
+        does not depend on the lr. Nothing when the flags name a warm-up themselves (the trainer then judges it) or
+        do not parse (the run reports that)."""
+        if any(a == "--lr_scheduler.warmup_steps" or a.startswith("--lr_scheduler.warmup_steps=") for a in args):
+            return []
+        try:
+            warmup = load_job_config(list(args)).lr_scheduler.warmup_steps
+        except (ConfigError, SystemExit):
+            return []
+        if warmup <= self.steps:
+            return []
+        short = min(self.warmup, self.steps)
+        if not self._told_warmup:
+            self.log(f"the config's lr warm-up ({warmup} steps) is longer than these {self.steps}-step runs: they use "
+                     f"--lr_scheduler.warmup_steps {short} (name your own after --)")
+            self._told_warmup = True
+        return ["--lr_scheduler.warmup_steps", str(short)]
+
     def run(self, name: str, nproc: int, args: Sequence[str], meta: dict[str, Any]) -> dict[str, Any] | None:
         """One trainer job (``args``: config + overrides); None when the time limit stops it from starting."""
         run_dir = self.out / "runs" / name
         train_args = [*args, *QUIET_RUN, "--training.steps", str(self.steps), "--metrics.log_freq", str(self.warmup),
-                      "--job.dump_folder", str(run_dir)]
+                      *self.short_warmup(args), "--job.dump_folder", str(run_dir)]
         cmd = launch_command(nproc, "nsa_titan.train", train_args)
         row = self.cached(name, cmd)
         if row is not None:
