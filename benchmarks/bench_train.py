@@ -172,7 +172,7 @@ def write_markdown(result: dict, out: Path) -> None:
     rounds = any(r.get("round", 1) > 1 for r in rows)  # a round column only where several ran
     lines = [f"# Training throughput: {result['tag']} ({result.get('device', '?')}, torch {result.get('torch')}, "
              f"triton {result.get('triton')}, {result['date'][:10]})", "",
-             "| variant | " + ("round | " if rounds else "") + "tokens/s (mean after step 1) | tokens/s/GPU (last "
+             "| variant | " + ("round | " if rounds else "") + "tokens/s (summary mean) | tokens/s/GPU (last "
              "log window) | MFU | GPU busy | peak GiB | loss first -> last |",
              "|---|---|---|---|---|---|---|" + ("---|" if rounds else "")]
     for r in rows:
@@ -185,7 +185,9 @@ def write_markdown(result: dict, out: Path) -> None:
                      f"{fmt(r['last_window_tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['mfu'], '.1%')} | "
                      f"{fmt(r['gpu_busy'], '.1%')} | {fmt(r['peak_mem_gib'], '.1f')} | "
                      f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
-    lines += ["", *notes]
+    lines += ["", "Summary mean: the trainer's summary.json tokens_per_s, over the log windows after the steps that "
+              "compile, record CUDA graphs or capture the step graph (its steady_from_step; runs before 2026-11-28: "
+              "every window after step 1).", *notes]
     (out / f"train_{result['tag']}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -311,6 +311,46 @@ def test_summary_reports_the_last_window_apart_from_the_mean(tmp_path):
     assert s["tokens_per_s_per_gpu"] == pytest.approx(5000 / 3.5)  # steps 2-6, first window left out
 
 
+@pytest.mark.parametrize("warmup, resumed, slow, expect_from, expect_tps", [
+    (4, 0, 4, 5, 1000 / 0.25),  # steps 1-4 compile / capture: windows 5-6 and 7-8 only
+    (1, 0, 4, 2, 7000 / 4.0),  # the first step only: every window after step 1 (the behaviour before warmup_steps)
+    (20, 0, 4, 2, 7000 / 4.0),  # longer than the run: falls back to every window after the first
+    (2, 4, 2, 7, 1000 / 0.25),  # resumed after step 4: steps 5-6 warm up again
+])
+def test_summary_leaves_out_the_windows_that_hold_warmup_steps(tmp_path, warmup, resumed, slow, expect_from,
+                                                               expect_tps):
+    """With the step graph, steps 2-4 warm up and capture: a summary over every window after step 1 read 309k
+    tokens/s in a 40-step m7c run whose windows after the capture ran at 355k."""
+    clock = FakeClock()
+    logger = MetricsLogger(metrics_cfg(), dump_folder=tmp_path, total_steps=8, device=torch.device("cpu"),
+                           world_size=1, clock=clock, busy_timer=FakeBusy(clock, 1.0), print_fn=lambda s: None,
+                           warmup_steps=warmup, resumed_at_step=resumed)
+    for step in range(resumed + 1, 9):
+        logger.step_start()
+        clock.t += 1.0 if step <= resumed + slow else 0.25  # slow warm-up steps, then steady state
+        logger.step_end(step, torch.tensor(1.0), torch.tensor(1.0), 1000)
+        if logger.should_log(step):
+            logger.log(step, lr=1e-3)
+    logger.close()
+    s = logger.summary()
+    assert s["steady_from_step"] == expect_from
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(expect_tps)
+
+
+def test_trainer_warmup_steps_follow_the_compile_mode():
+    from nsa_titan.config import load_job_config
+    from nsa_titan.train import warmup_steps
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    base = ["--config", "train_configs/m7c_125m.toml", "--compile.enable", "--metrics.nsa_diagnostics", "false"]
+    assert warmup_steps(load_job_config(base + ["--compile.step_graph"]), cuda, False) == 4
+    assert warmup_steps(load_job_config(base + ["--compile.step_graph", "--compile.step_graph_warmup", "5"]), cuda,
+                        True) == 6
+    assert warmup_steps(load_job_config(base + ["--compile.mode", "reduce-overhead"]), cuda, False) == 2
+    assert warmup_steps(load_job_config(base + ["--compile.mode", "auto"]), cuda, True) == 1  # FSDP: no graphs
+    assert warmup_steps(load_job_config(base), cpu, False) == 1
+
+
 def test_window_time_waits_for_the_device(tmp_path, monkeypatch):
     """The host runs ahead of the GPU: a window must end when its last step's GPU work has finished (the log
     step's sync), not when the host finished launching it. Simulated: launching a step takes 0.1 s of host

@@ -158,6 +158,7 @@ class MetricsLogger:
         tokens_seen: int = 0,
         resumed_at_step: int = 0,
         run_config: dict[str, Any] | None = None,
+        warmup_steps: int = 1,
     ):
         self.enabled = rank == 0
         self.total_steps = int(total_steps)
@@ -169,6 +170,9 @@ class MetricsLogger:
         self._clock = clock
         self._print = print_fn or (lambda s: print(s, flush=True))
         self.busy_warn_threshold = busy_warn_threshold
+        # The run's first steps that compile, record CUDA graphs or capture the step graph: summary() leaves out every
+        # log window holding one of them (steps are absolute: a resumed run warms up again after its resume step).
+        self.warmup_until_step = int(resumed_at_step) + max(1, int(warmup_steps))
         if busy_timer is None:
             busy_timer = CudaBusyTimer(device) if (self.enabled and device.type == "cuda") else NullBusyTimer()
         self._busy = busy_timer
@@ -358,10 +362,18 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
 
-    def summary(self) -> dict[str, Any]:
-        """Run aggregates; throughput/MFU/GPU-busy exclude the first log window (step 1: warm-up, compile)."""
+    def steady_records(self) -> list[dict[str, Any]]:
+        """The log windows after the warm-up steps (``warmup_steps``): none of their steps compiled, recorded or
+        captured a graph. A run too short to have one falls back to every window but the first (then the whole run),
+        which still holds later warm-up steps."""
         recs = self.records
-        steady = recs[1:] or recs
+        steady = [r for r in recs if r["step"] - r["window_steps"] >= self.warmup_until_step]
+        return steady or recs[1:] or recs
+
+    def summary(self) -> dict[str, Any]:
+        """Run aggregates; throughput/MFU/GPU-busy from the windows after the warm-up steps (steady_records)."""
+        recs = self.records
+        steady = self.steady_records()
         wall = sum(r["window_s"] for r in steady)
         tokens_per_s = sum(r["window_tokens"] for r in steady) / wall if wall > 0 else None
         per_gpu = None if tokens_per_s is None else tokens_per_s / self.world_size
@@ -381,6 +393,7 @@ class MetricsLogger:
             "tokens": self._tokens_total,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": per_gpu,
+            "steady_from_step": steady[0]["step"] - steady[0]["window_steps"] + 1 if steady else None,
             # The mean above still holds later warm-up (a recompile, allocator growth); the last window
             # is the closest to steady state a short benchmark run gets.
             "last_window_tokens_per_s_per_gpu": (recs[-1]["window_tokens"] / recs[-1]["window_s"] / self.world_size
