@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_block's kern
 from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
 from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
 from nsa_titan.components.step_graph import NoSchedule  # noqa: E402
-from nsa_titan.components.train_step import train_step  # noqa: E402
+from nsa_titan.components.train_step import token_loss_sum, train_step  # noqa: E402
 from nsa_titan.config import load_job_config  # noqa: E402
 from nsa_titan.data import tokenizer_from_config  # noqa: E402
 from nsa_titan.models import resolve_attn_impl  # noqa: E402
-from nsa_titan.parallelisms import ParallelDims  # noqa: E402
+from nsa_titan.parallelisms import ParallelDims, compile_loss  # noqa: E402
 from nsa_titan.train import build_training_model, resolve_model_args  # noqa: E402
 
 
@@ -131,8 +131,11 @@ def main() -> None:
         batch["input"].random_(0, model_args.vocab_size, generator=gen)
         batch["labels"].random_(0, model_args.vocab_size, generator=gen)
 
+    loss_fn = compile_loss(token_loss_sum, cfg.compile)  # as the trainer
+
     def step() -> torch.Tensor:
         loss, _ = train_step(model, optimizer, NoSchedule(), [batch], params=params, max_norm=tc.max_norm,
+                             loss_fn=loss_fn,
                              autocast=lambda: autocast_context(device, tc.mixed_precision),
                              dp_degree=dims.dp_degree,
                              grad_sync=cfg.parallelism.grad_sync, shard_local=cfg.optimizer.shard_local)

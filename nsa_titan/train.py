@@ -39,7 +39,7 @@ from nsa_titan.components.runtime import (
     world_from_env,
 )
 from nsa_titan.components.step_graph import StepGraph, require_cuda
-from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, train_step
+from nsa_titan.components.train_step import evaluate, full_param_shapes, move_batch, token_loss_sum, train_step
 from nsa_titan.config import ConfigError, JobConfig, config_to_toml, job_config_to_dict, load_job_config
 from nsa_titan.data import build_dataloader, retrieval_accuracy, tokenizer_from_config
 from nsa_titan.data.documents import add_document_inputs
@@ -48,7 +48,14 @@ from nsa_titan.fault import Preempted, Resilience, TrainHooks, collective_failur
 from nsa_titan.models import NSAModelArgs, build_model, resolve_attn_impl
 from nsa_titan.models.nsa.flops import count_params, training_flops_per_token
 from nsa_titan.models.nsa.local_attention import describe as describe_attention
-from nsa_titan.parallelisms import CompileCounter, ParallelDims, describe_parallelism, early_unshard, parallelize_nsa
+from nsa_titan.parallelisms import (
+    CompileCounter,
+    ParallelDims,
+    compile_loss,
+    describe_parallelism,
+    early_unshard,
+    parallelize_nsa,
+)
 
 
 def _print0(world: World, *args: Any) -> None:
@@ -232,10 +239,13 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
     dc = job_config.data
 
+    loss_fn = compile_loss(token_loss_sum, job_config.compile)  # compile.loss: no fp32 [tokens, vocab] saved
+
     def run_step(batches, sched):
         return train_step(model, optimizer, sched, batches, params=params, max_norm=tc.max_norm, autocast=autocast,
                           before_optimizer_step=res.before_optimizer_step, dp_degree=parallel_dims.dp_degree,
-                          grad_sync=job_config.parallelism.grad_sync, shard_local=job_config.optimizer.shard_local)
+                          grad_sync=job_config.parallelism.grad_sync, shard_local=job_config.optimizer.shard_local,
+                          loss_fn=loss_fn)
 
     def with_documents(batch):  # document starts (and restarted positions) of packed sequences, on device
         return add_document_inputs(batch, tokenizer.eos_id, dc.restart_positions) if dc.document_mask else batch
@@ -257,6 +267,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     profiler = TrainProfiler(job_config.profiling, dump_folder=dump, rank=world.rank, device=device,
                              log=lambda m: print(m, flush=True), start_step=first_step)
     steps_done, interrupted, error, stop = first_step - 1, False, None, {}
+    evaluated = False  # whether a validation ran (its no_grad forward compiles graphs of its own)
     collector = GarbageCollection(tc.gc_freq)
     try:
         profiler.start()
@@ -293,7 +304,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             if val_batches and (step % mc.val_freq == 0 or step == tc.steps):
                 with logger.paused():
                     logger.log_val(step, evaluate(model, val_batches, device, autocast=autocast,
-                                                  retrieval_fn=retrieval_fn))
+                                                  retrieval_fn=retrieval_fn, loss_fn=loss_fn))
+                    evaluated = True
                     if step_graph is not None:
                         step_graph.after_eager_forward(model)
                 res.progress()
@@ -327,8 +339,10 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     compile_stats = None
     if job_config.compile.enable:
         graphs = compile_counter.graphs()
-        # Diagnostics-enabled forwards (log steps) are one more graph per block kind, expected, not recompiles.
-        expected = compile_counter.kinds * (2 if diagnostics.attached else 1)
+        # Diagnostic forwards (log steps), evaluation under no_grad and the compiled loss compile graphs of their
+        # own: expected, not recompiles.
+        expected = compile_counter.expected(diagnostics=diagnostics.attached, evaluated=evaluated,
+                                            loss=loss_fn is not token_loss_sum)
         compile_stats = {"graphs": graphs, "expected_graphs": expected, "recompiles": max(0, graphs - expected),
                          "mode": job_config.compile.effective_mode(device.type, parallel_dims.dp_enabled)}
         _print0(world, f"compile: {graphs} graph(s) compiled for {model_args.n_layers} blocks "

@@ -75,11 +75,13 @@ def forward_backward(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     dp_degree: int = 1,
     sync_every_micro_batch: bool = False,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
 ) -> torch.Tensor:
     """Accumulate gradients of the globally token-normalised step loss; returns the global step loss (device).
 
     With ``dp_degree > 1`` the default process group must be the data-parallel group (DP is the only
-    parallelism). No host syncs: the all-reduces work on device tensors.
+    parallelism). No host syncs: the all-reduces work on device tensors. ``loss_fn(logits, labels)``: the summed
+    token loss, token_loss_sum or its compiled form (parallelisms.compile_loss).
     """
     n_tokens = count_target_tokens(micro_batches).float()
     if dp_degree > 1:
@@ -91,7 +93,7 @@ def forward_backward(
         with grad_sync_context(model, sync=sync_every_micro_batch or i == last):
             with autocast():
                 logits = model(mb["input"], **model_inputs(mb))
-            loss = token_loss_sum(logits, mb["labels"]) / n_tokens
+            loss = loss_fn(logits, mb["labels"]) / n_tokens
             (loss * dp_degree if dp_degree > 1 else loss).backward()
         total += loss.detach()
     if dp_degree > 1:
@@ -153,16 +155,17 @@ def train_step(
     dp_degree: int = 1,
     grad_sync: str = "last_micro_batch",
     shard_local: bool = True,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches`` (gradient accumulation); returns (loss, grad_norm) on device.
 
     ``dp_degree``: data-parallel ranks (1: one process, no collectives); ``grad_sync`` (parallelism.grad_sync):
     'last_micro_batch' reduces gradients once per step, 'every_micro_batch' after each micro-batch.
     ``before_optimizer_step(loss, grad_norm)`` runs after clipping (the non-finite guard). ``shard_local``
-    (optimizer.shard_local): FSDP2 gradients are clipped on their local shards.
+    (optimizer.shard_local): FSDP2 gradients are clipped on their local shards. ``loss_fn``: see forward_backward.
     """
     loss = forward_backward(model, micro_batches, autocast=autocast, dp_degree=dp_degree,
-                            sync_every_micro_batch=grad_sync == "every_micro_batch")
+                            sync_every_micro_batch=grad_sync == "every_micro_batch", loss_fn=loss_fn)
     grad_norm = clip_grad_norm(model, params, max_norm, shard_local)
     if before_optimizer_step is not None:
         before_optimizer_step(loss, grad_norm)
@@ -196,6 +199,7 @@ def evaluate(
     *,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     retrieval_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
 ) -> dict[str, float]:
     """Token-weighted validation loss over fixed batches; with ``retrieval_fn(logits, labels, is_retrieval)``
     (``nsa_titan.data.retrieval_accuracy``) also the retrieval accuracy. Runs on val steps only."""
@@ -210,7 +214,7 @@ def evaluate(
             batch = move_batch(batch, device)
             with autocast():
                 logits = model(batch["input"], **model_inputs(batch))
-            loss_sum += token_loss_sum(logits, batch["labels"])
+            loss_sum += loss_fn(logits, batch["labels"])
             n_tokens += count_target_tokens([batch])
             if retrieval_fn is not None:
                 c, t = retrieval_fn(logits, batch["labels"], batch.get("is_retrieval"))

@@ -41,11 +41,11 @@ from nsa_titan.components.runtime import (
     start_process_group,
     world_from_env,
 )
-from nsa_titan.components.train_step import full_param_shapes, train_step
+from nsa_titan.components.train_step import full_param_shapes, token_loss_sum, train_step
 from nsa_titan.config import load_job_config
 from nsa_titan.models import build_model
 from nsa_titan.models.nsa.flops import training_flops_per_token
-from nsa_titan.parallelisms import ParallelDims, parallelize_nsa
+from nsa_titan.parallelisms import ParallelDims, compile_loss, parallelize_nsa
 
 # Failures that mean "does not fit": the allocator's own error, and library handles (cuBLAS, cuDNN) that cannot get
 # their workspace when the caching allocator holds nearly all of the GPU (seen: 1b at 32k, fake group of 16).
@@ -129,6 +129,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
                                device=device, generator=gen)
         batches = [{"input": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
         autocast = lambda: autocast_context(device, tc.mixed_precision)  # noqa: E731
+        loss_fn = compile_loss(token_loss_sum, cfg.compile)  # as the trainer: its memory is the plan's
         t0 = time.perf_counter()
         for i in range(warmup + steps):
             if i == warmup:
@@ -136,7 +137,7 @@ def run_probe(argv: list[str], *, fake_world_size: int | None = None, warmup: in
                 t0 = time.perf_counter()
             train_step(model, optimizer, scheduler, batches, params=params, max_norm=tc.max_norm, autocast=autocast,
                        dp_degree=dims.dp_degree, grad_sync=cfg.parallelism.grad_sync,
-                       shard_local=cfg.optimizer.shard_local)
+                       shard_local=cfg.optimizer.shard_local, loss_fn=loss_fn)
         _sync(device)
         step_s = (time.perf_counter() - t0) / steps
         tokens_per_step = tc.grad_accum_steps * tc.local_batch_size * tc.seq_len

@@ -9,7 +9,7 @@ FSDP1, DDP) and the device mesh. The optimizer step (which works under any of th
 """
 
 from nsa_titan.parallelisms.activation_checkpoint import apply_ac, ratio_block_ids, selective_save_ops
-from nsa_titan.parallelisms.compile import CompileCounter, apply_compile
+from nsa_titan.parallelisms.compile import CompileCounter, apply_compile, compile_loss
 from nsa_titan.parallelisms.data_parallel import early_unshard
 from nsa_titan.parallelisms.parallel_dims import ParallelDims
 from nsa_titan.parallelisms.parallelize import describe_parallelism, materialize, parallelize_nsa
@@ -19,6 +19,7 @@ __all__ = [
     "ParallelDims",
     "apply_ac",
     "apply_compile",
+    "compile_loss",
     "describe_parallelism",
     "early_unshard",
     "materialize",

@@ -7,6 +7,7 @@ the same shapes, so compile time does not grow with depth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,13 +62,24 @@ def apply_compile(model: nn.Module, compile_config: Any, memory_budget: float | 
         model.layers[name] = compiled
 
 
+def compile_loss(loss_fn: Callable[..., torch.Tensor], compile_config: Any,
+                 backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``loss_fn`` compiled (fullgraph, mode 'default') when compile.enable and compile.loss, else itself. The loss
+    sits outside the blocks, so per-block compile left it eager: F.cross_entropy over an fp32 copy of the logits
+    saves two fp32 [tokens, vocabulary] tensors for its backward, which inductor's fused version does not (it keeps
+    the logits and per-token statistics and recomputes the softmax in the backward)."""
+    if not (compile_config.enable and compile_config.loss):
+        return loss_fn
+    return torch.compile(loss_fn, fullgraph=True, backend=backend)
+
+
 class CompileCounter:
     """Graphs dynamo compiled since this object was made (``torch._dynamo`` keeps process-wide counters).
 
     Make it after ``parallelize_nsa`` and before the first forward (compilation happens on first call).
     Blocks of one kind (e.g. all checkpointed ones) share one graph, so a healthy training run compiles one
-    graph per kind; every further graph is a recompile (evaluation under no_grad adds one per kind),
-    worth a look with ``TORCH_LOGS=recompiles``.
+    graph per kind (``expected`` counts the others a run makes by design: evaluation under no_grad, diagnostic
+    forwards, the compiled loss); every further graph is a recompile, worth a look with ``TORCH_LOGS=recompiles``.
     """
 
     def __init__(self, model: nn.Module):
@@ -81,5 +93,12 @@ class CompileCounter:
     def graphs(self) -> int:
         return self._graphs() - self._start
 
-    def recompiles(self) -> int:
-        return max(0, self.graphs() - self.kinds)
+    def expected(self, *, diagnostics: bool = False, evaluated: bool = False, loss: bool = False) -> int:
+        """Graphs a healthy run compiles: one per block kind, one more per kind for the diagnostic forwards (log
+        steps) and for evaluation (no_grad), and the compiled loss's one (two with evaluation)."""
+        per_kind = 1 + int(diagnostics) + int(evaluated)
+        return self.kinds * per_kind + (1 + int(evaluated) if loss else 0)
+
+    def recompiles(self, **expected) -> int:
+        """Graphs beyond ``expected(**expected)``."""
+        return max(0, self.graphs() - self.expected(**expected))
