@@ -112,6 +112,12 @@ class CudaBusyTimer:
         return busy_ms / 1000.0
 
 
+def windows_after(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The train log windows whose steps all come after ``step`` (a window ends at its record's ``step`` and spans
+    ``window_steps``): the summary's and the experiments' steady state."""
+    return [r for r in records if r["step"] - r["window_steps"] >= step]
+
+
 def _fmt_pct(value: float | None, decimals: int) -> str:
     return "n/a" if value is None else f"{100 * value:.{decimals}f}%"
 
@@ -367,8 +373,7 @@ class MetricsLogger:
         captured a graph. A run too short to have one falls back to every window but the first (then the whole run),
         which still holds later warm-up steps."""
         recs = self.records
-        steady = [r for r in recs if r["step"] - r["window_steps"] >= self.warmup_until_step]
-        return steady or recs[1:] or recs
+        return windows_after(recs, self.warmup_until_step) or recs[1:] or recs
 
     def summary(self) -> dict[str, Any]:
         """Run aggregates; throughput/MFU/GPU-busy from the windows after the warm-up steps (steady_records)."""

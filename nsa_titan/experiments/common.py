@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nsa_titan.components.metrics import windows_after
 from nsa_titan.config import ConfigError, load_job_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def steady_stats(records: list[dict[str, Any]], warmup: int) -> dict[str, Any] |
     autotuning and allocator warm-up land there.
     """
     train = [r for r in records if r.get("type") == "train"]
-    steady = [r for r in train if r["step"] - r["window_steps"] >= warmup]
+    steady = windows_after(train, warmup)
     if not steady:
         return None
     wall = sum(r["window_s"] for r in steady)
