@@ -170,12 +170,7 @@ def main() -> None:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
         next_batch()
-        if args.no_check:
-            torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph gets a pool of its own
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_loss = step()
-        else:
+        if not args.no_check:
             saved = [t.clone() for t in _state(model, optimizer)]
 
             def restore() -> None:
@@ -189,13 +184,16 @@ def main() -> None:
             res["eager_repeat_loss_equal"] = eager2_loss == eager_loss
             res["eager_repeat_max_abs_diff"] = _max_diff(_state(model, optimizer), eager_after)
             restore()
-            if args.cpu:  # the dry run: a second eager step stands in for the replay
+        if args.cpu:  # the dry run: a second eager step stands in for the replay
+            static_loss = step()
+        else:
+            torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool needs the room
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 static_loss = step()
-            else:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_loss = step()
+            if not args.no_check:
                 graph.replay()  # the batch is still the eager step's: same inputs, same starting state
+        if not args.no_check:
             sync()
             res["replay_loss_equal"] = float(static_loss) == eager_loss
             res["replay_params_equal"] = all(torch.equal(a, b)
@@ -210,7 +208,7 @@ def main() -> None:
             res["graph_step_s"], res["graph_losses"] = timed(replay)
             res["speedup"] = res["eager_step_s"] / res["graph_step_s"]
             if args.profile:
-                from profile_block import profile_kernels  # benchmarks/ is on sys.path (below)
+                from profile_block import profile_kernels  # benchmarks/ is on sys.path (top of the file)
 
                 res["replay_profile"] = profile_kernels(replay, iters=args.profile)
             if args.trace:
