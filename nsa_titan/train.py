@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
     autocast = functools.partial(autocast_context, device, tc.mixed_precision)
     dc = job_config.data
 
-    loss_fn = compile_loss(token_loss_sum, job_config.compile)  # compile.loss: no fp32 [tokens, vocab] saved
+    loss_fn = compile_loss(token_loss_sum, job_config.compile)  # compile.loss: no fp32 log-softmax kept
 
     def run_step(batches, sched):
         return train_step(model, optimizer, sched, batches, params=params, max_norm=tc.max_norm, autocast=autocast,

@@ -435,9 +435,9 @@ def test_the_parallelism_line_names_units_of_several_blocks():
 
 
 def test_compiled_loss_keeps_no_fp32_vocabulary_tensor_for_its_backward():
-    """compile.loss: the eager loss (F.cross_entropy over an fp32 copy of the logits) saves two fp32 [tokens, vocab]
-    tensors for its backward (15.6 GiB of the 1b's 48 GiB peak at 64k); the compiled one keeps the bf16 logits and
-    per-token statistics, and gives the same loss and gradient."""
+    """compile.loss: the eager loss (F.cross_entropy over an fp32 copy of the logits) saves an fp32 log-softmax
+    [tokens, vocab] for its backward (7.8 GiB at the 1b's 64k, with 15.6 more of fp32 in that backward); the
+    compiled one keeps the bf16 logits and per-token statistics, and gives the same loss and gradient (in bf16)."""
     from nsa_titan.components.train_step import token_loss_sum
 
     assert compile_loss(token_loss_sum, Compile()) is token_loss_sum  # compile.enable off

@@ -137,11 +137,11 @@ class Compile:
     step_graph_warmup: int = 3
     """Eager steps before the capture (they train as usual; the first one compiles)."""
     loss: bool = True
-    """With compile.enable, compile the loss too (the fp32 cross-entropy over the vocabulary, outside the blocks):
-    its backward then keeps the bf16 logits and two numbers per token instead of two fp32 [tokens, vocabulary]
-    tensors, and writes the logits' gradient in their own dtype. The 1b at 64k tokens per step kept 15.6 GiB of
-    fp32 loss tensors at its 48.0 GiB peak; a 152k vocabulary (qwen7b) at 8k keeps ~10 GiB. Same values up to fp32
-    summation order. Ignored without compile.enable."""
+    """With compile.enable, compile the loss too (the fp32 cross-entropy over the vocabulary, outside the blocks).
+    Eager, it keeps an fp32 log-softmax [tokens, vocabulary] for its backward, whose backward makes two more fp32
+    tensors of that size: 23.4 GiB of the 1b's 48.0 GiB peak at 64k tokens per step (15 GB for a 152k vocabulary
+    at 8k). Compiled, it keeps the bf16 logits and two numbers per token and writes the logits' gradient in their
+    own dtype. Same values up to fp32 summation order. Ignored without compile.enable."""
 
     def validate(self) -> None:
         _check(self.step_graph_warmup >= 1, "compile.step_graph_warmup",

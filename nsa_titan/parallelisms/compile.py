@@ -66,8 +66,9 @@ def compile_loss(loss_fn: Callable[..., torch.Tensor], compile_config: Any,
                  backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``loss_fn`` compiled (fullgraph, mode 'default') when compile.enable and compile.loss, else itself. The loss
     sits outside the blocks, so per-block compile left it eager: F.cross_entropy over an fp32 copy of the logits
-    saves two fp32 [tokens, vocabulary] tensors for its backward, which inductor's fused version does not (it keeps
-    the logits and per-token statistics and recomputes the softmax in the backward)."""
+    saves its fp32 log-softmax [tokens, vocabulary] for the backward, which inductor's fused version does not (it
+    keeps the logits and per-token statistics, recomputes the softmax in the backward and writes the gradient in the
+    logits' dtype)."""
     if not (compile_config.enable and compile_config.loss):
         return loss_fn
     return torch.compile(loss_fn, fullgraph=True, backend=backend)
