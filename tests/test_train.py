@@ -100,3 +100,24 @@ def test_multi_process_degrees_checked_before_any_process_group(tmp_path, monkey
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="dp_replicate=3 does not divide the world size 2"):
         main(run_args(tmp_path, "--parallelism.dp_replicate", "3"))
+
+
+def test_compiled_run_compiles_what_it_expects_and_trains_like_eager(tmp_path):
+    """compile.enable with validation: the blocks' graphs (training, no_grad evaluation) and the compiled loss's
+    (compile.loss, default on: training, evaluation) are expected, not recompiles, and the losses match an eager run
+    up to fp32 summation order. Catches a compiled loss wired to the wrong tensors or left out of validation, and a
+    compile counter that reports the loss's graphs as recompiles."""
+    torch._dynamo.reset()  # graphs cached by other tests' compiles would not be compiled (nor counted) here
+    runs = {}
+    for mode in ("compiled", "eager"):
+        summary = main(run_args(tmp_path / mode, "--training.steps", "2", "--metrics.log_freq", "1",
+                                "--lr_scheduler.warmup_steps", "1", "--metrics.val_freq", "2",
+                                "--metrics.val_steps", "1", "--metrics.nsa_diagnostics", "false",
+                                *(["--compile.enable"] if mode == "compiled" else [])))
+        recs = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        runs[mode] = summary, [r["loss"] for r in recs if r["type"] == "train"], \
+            [r["val_loss"] for r in recs if r["type"] == "val"]
+    stats = runs["compiled"][0]["compile"]
+    assert stats == {**stats, "graphs": 4, "expected_graphs": 4, "recompiles": 0}, stats  # 1 + 1 blocks, 2 loss
+    assert runs["compiled"][1] == pytest.approx(runs["eager"][1], rel=1e-4)
+    assert runs["compiled"][2] == pytest.approx(runs["eager"][2], rel=1e-4) and len(runs["eager"][2]) == 1
