@@ -417,3 +417,32 @@ def test_dp_compare_with_a_step_graph_asks_for_fsdp2_only(tmp_path, monkeypatch)
         dp_compare.main([*argv, *graph])
     result = dp_compare.main([*argv, "--data-parallel", "fsdp2", *graph])
     assert sorted(r["data_parallel"] for r in result["rows"]) == ["fsdp2", "none"]
+
+
+def test_dp_compare_step_graph_option_captures_the_runs_that_can_be_captured(tmp_path, monkeypatch):
+    """--step-graph: the one-GPU and FSDP2 runs capture their steps, DDP and FSDP1 run as they are, and the table
+    says which run is which (FSDP2's best against FSDP1's). Without --compile.enable: an error naming the fix."""
+    seen = {}
+
+    def fake_run(self, name, gpus, args, fields):
+        seen[name] = args
+        return {"run": name, "gpus": gpus, "tokens_per_s_per_gpu": 1000.0, "step_time_s": 1.0, **fields}
+
+    monkeypatch.setattr(common.Runner, "run", fake_run)
+    monkeypatch.setattr(dp_compare, "visible_gpus", lambda: 2)
+    argv = ["--config", "train_configs/m7c_125m.toml", "--gpus", "1,2", "--ac", "none", "--out", str(tmp_path),
+            "--step-graph"]
+    with pytest.raises(SystemExit, match="add --compile.enable"):
+        dp_compare.main(argv)
+    with pytest.raises(SystemExit, match="drop one of them"):
+        dp_compare.main([*argv, "--cpu", "--", "--compile.enable"])
+    assert not seen
+    result = dp_compare.main([*argv, "--", "--compile.enable"])
+    graphed = {name: "--compile.step_graph" in args for name, args in seen.items()}
+    assert graphed == {"ac-none_1gpu": True, "ac-none_2gpu_fsdp2": True, "ac-none_2gpu_fsdp1": False,
+                       "ac-none_2gpu_ddp": False}
+    assert all(("--metrics.nsa_diagnostics" in args) == graphed[name] for name, args in seen.items())
+    assert {r["data_parallel"]: r["step_graph"] for r in result["rows"]} == {"none": True, "fsdp2": True,
+                                                                             "fsdp1": False, "ddp": False}
+    md = (tmp_path / "dp_compare_dp.md").read_text()
+    assert "| step graph |" in md and "FSDP2 with the step graph, FSDP1 without" in md

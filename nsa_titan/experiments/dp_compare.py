@@ -35,6 +35,8 @@ DP_KINDS = ("fsdp2", "fsdp1", "ddp")
 SCALING_TARGET = 0.95  # FSDP2 per-GPU tokens/s / one GPU's (issue 12; m7c's is 0.90: --scaling-target)
 AC_COST_TARGET = 1.35  # AC full's step time / AC none's under FSDP2
 MEMORY_TARGET = 0.93  # FSDP2 peak reserved / FSDP1's
+# --step-graph: the flags of the runs that can capture their steps (the trainer refuses diagnostics under the graph)
+STEP_GRAPH_ARGS = ["--compile.step_graph", "--metrics.nsa_diagnostics", "false"]
 
 
 def ac_args(spec: str) -> list[str]:
@@ -48,6 +50,14 @@ def ac_args(spec: str) -> list[str]:
             raise SystemExit(f"--ac {spec}: give the value, e.g. {mode}:0.5")
         out += [f"--activation_checkpoint.{mode}", value]
     return out
+
+
+def _compiled(config: str, extra: list[str]) -> bool:
+    """Whether the runs compile (compile.enable in the config file or the flags); a config error: not decided here."""
+    try:
+        return load_job_config(["--config", config, *extra]).compile.enable
+    except ConfigError:
+        return True
 
 
 def _step_graph(config: str, extra: list[str]) -> bool:
@@ -135,7 +145,8 @@ def targets(rows: list[dict[str, Any]], scaling_target: float = SCALING_TARGET) 
             if not (f2 and f1):
                 continue
             speed = f2["tokens_per_s_per_gpu"] / f1["tokens_per_s_per_gpu"]
-            lines.append(f"- AC {ac}, {g} GPUs: FSDP2 / FSDP1 tokens/s = {speed:.3f} (target >= 1): "
+            how = " (FSDP2 with the step graph, FSDP1 without: it cannot be captured)" if f2.get("step_graph") else ""
+            lines.append(f"- AC {ac}, {g} GPUs: FSDP2 / FSDP1 tokens/s = {speed:.3f}{how} (target >= 1): "
                          f"{verdict(speed >= 1, f'{1 - speed:.1%}')}")
             m2, m1 = f2.get("peak_mem_reserved_gib"), f1.get("peak_mem_reserved_gib")
             if m2 and m1:
@@ -157,6 +168,7 @@ def write_dp_report(out: Path, tag: str, rows: list[dict[str, Any]], meta: dict[
                                     "median round" if meta.get("rounds", 1) > 1 else "")
              + f"; trainer args {meta['train_args']}", "",
              *md_table(rows, [("AC", "ac", ""), ("GPUs", "gpus", ""), ("data parallel", "data_parallel", ""),
+                              ("step graph", lambda r: "yes" if r.get("step_graph") else "", ""),
                               ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"), ("step s", "step_time_s", ".3f"),
                               ("scaling", "scaling", ".1%"), ("median step s", "step_time_median_s", ".3f"),
                               ("min-max step s", _spread, ""), ("scaling (median)", "scaling_median", ".1%"),
@@ -201,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every cell this many times, interleaved (all cells, then all again): a host whose speed "
                          "drifts shows as spread instead of skewing one cell; each cell reports its median round")
+    ap.add_argument("--step-graph", action="store_true",
+                    help="capture the steps of the runs that can be captured (one GPU and FSDP2: --compile.step_graph, "
+                         "diagnostics off) and run DDP and FSDP1 as they are: each wrapper at its best, in one table "
+                         "(needs --compile.enable after --)")
     ap.add_argument("--scaling-target", type=float, default=SCALING_TARGET,
                     help="FSDP2 per-GPU tokens/s / one GPU's to call MET (issue 12: 0.95 for 1b, 0.90 for m7c)")
     a, extra = ap.parse_known_args(argv)
@@ -210,9 +226,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # data-parallel runs cannot use, and the scaling column would then measure graphs, not the wrapper.
         extra += ["--compile.mode", "default"]
     kinds = a.data_parallel.split(",")
-    if _step_graph(a.config, extra) and set(kinds) - {"fsdp2"}:
+    captured = _step_graph(a.config, extra)  # compile.step_graph in the flags: every run captures
+    if captured and set(kinds) - {"fsdp2"}:
         raise SystemExit(f"--compile.step_graph captures FSDP2 steps only (DDP's reducer and FSDP1 cannot be "
-                         f"captured), but --data-parallel asks for {a.data_parallel}: pass --data-parallel fsdp2")
+                         f"captured), but --data-parallel asks for {a.data_parallel}: pass --data-parallel fsdp2, or "
+                         "dp_compare's --step-graph instead, which captures the one-GPU and FSDP2 runs only")
+    if a.step_graph and not _compiled(a.config, extra):
+        raise SystemExit("--step-graph captures compiled steps: add --compile.enable after --")
+    if a.step_graph and a.cpu:
+        raise SystemExit("--step-graph captures CUDA graphs, which --cpu runs cannot: drop one of them")
     out = Path(a.out)
     runner = Runner(out / f"dp_compare_{a.tag}", warmup=a.warmup, steps=a.steps, timeout_s=a.run_timeout_s,
                     time_limit_s=a.time_limit_s, force=a.force, gpu=not a.cpu)
@@ -230,12 +252,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args = ["--config", a.config, *extra, *ac_args(run["ac"])]
             if run["data_parallel"] != "none":
                 args += ["--parallelism.data_parallel", run["data_parallel"]]
-            row = runner.run(name, run["gpus"], args, {"ac": run["ac"], "data_parallel": run["data_parallel"]})
+            graph = a.step_graph and run["data_parallel"] in ("none", "fsdp2")
+            if graph:
+                args += STEP_GRAPH_ARGS
+            row = runner.run(name, run["gpus"], args, {"ac": run["ac"], "data_parallel": run["data_parallel"],
+                                                       "step_graph": graph or captured})
             if row is not None:
                 per_cell[run["name"]].append(row)
     rows = [merge_rounds(rs) for rs in per_cell.values() if rs]
     meta = {"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "train_args": ["--config", a.config, *extra],
-            "scaling_target": a.scaling_target}
+            "scaling_target": a.scaling_target, "step_graph_runs": "1 GPU and fsdp2" if a.step_graph else None}
     result = write_dp_report(out, a.tag, rows, meta, runner.pending)
     print((out / f"dp_compare_{a.tag}.md").read_text())
     return result
