@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_block's kern
 
 from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
 from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
-from nsa_titan.components.step_graph import NoSchedule  # noqa: E402
+from nsa_titan.components.step_graph import NoSchedule, cuda_capture  # noqa: E402
 from nsa_titan.components.train_step import token_loss_sum, train_step  # noqa: E402
 from nsa_titan.config import load_job_config  # noqa: E402
 from nsa_titan.data import tokenizer_from_config  # noqa: E402
@@ -159,7 +159,7 @@ def main() -> None:
         next_batch()
         step()
     res["eager_step_s"], res["eager_losses"] = timed(step)
-    graph = None
+    replay_graph = release_graph = None
     try:
         if not args.cpu:
             side = torch.cuda.Stream(device)
@@ -188,11 +188,9 @@ def main() -> None:
             static_loss = step()
         else:
             torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool needs the room
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_loss = step()
+            static_loss, replay_graph, release_graph = cuda_capture(step)  # the trainer's capture (not run yet)
             if not args.no_check:
-                graph.replay()  # the batch is still the eager step's: same inputs, same starting state
+                replay_graph()  # the batch is still the eager step's: same inputs, same starting state
         if not args.no_check:
             sync()
             res["replay_loss_equal"] = float(static_loss) == eager_loss
@@ -201,7 +199,7 @@ def main() -> None:
             res["replay_max_abs_diff"] = _max_diff(_state(model, optimizer), eager_after)
 
         def replay() -> torch.Tensor:
-            graph.replay()
+            replay_graph()
             return static_loss.clone()
 
         if not args.cpu:
@@ -219,8 +217,8 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - the probe reports why capture or replay failed
         res["graph_error"] = f"{type(e).__name__}: {e}"
         res["graph_traceback"] = traceback.format_exc()[-4000:]
-    if graph is not None:
-        graph.reset()  # before destroy_process_group, which waits for graphs holding NCCL kernels (pytorch#115388)
+    if release_graph is not None:
+        release_graph()  # before destroy_process_group, which waits for graphs holding NCCL kernels (pytorch#115388)
     if world.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
