@@ -52,21 +52,13 @@ def ac_args(spec: str) -> list[str]:
     return out
 
 
-def _compiled(config: str, extra: list[str]) -> bool:
-    """Whether the runs compile (compile.enable in the config file or the flags); a config error: not decided here."""
+def _compile_section(config: str, extra: list[str]) -> Any:
+    """The runs' compile settings (the config file and the trainer flags), or None for a config the trainer would
+    refuse: that is not decided here, each run reports it."""
     try:
-        return load_job_config(["--config", config, *extra]).compile.enable
+        return load_job_config(["--config", config, *extra]).compile
     except ConfigError:
-        return True
-
-
-def _step_graph(config: str, extra: list[str]) -> bool:
-    """Whether the runs capture whole steps (compile.step_graph, in the config file or the trainer flags). A config
-    the trainer would refuse is not decided here: each run reports it."""
-    try:
-        return load_job_config(["--config", config, *extra]).compile.step_graph
-    except ConfigError:
-        return False
+        return None
 
 
 def plan_runs(gpus: list[int], acs: list[str], kinds: list[str]) -> list[dict[str, Any]]:
@@ -226,12 +218,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # data-parallel runs cannot use, and the scaling column would then measure graphs, not the wrapper.
         extra += ["--compile.mode", "default"]
     kinds = a.data_parallel.split(",")
-    captured = _step_graph(a.config, extra)  # compile.step_graph in the flags: every run captures
+    cc = _compile_section(a.config, extra)
+    captured = cc is not None and cc.step_graph  # compile.step_graph in the flags: every run captures
     if captured and set(kinds) - {"fsdp2"}:
         raise SystemExit(f"--compile.step_graph captures FSDP2 steps only (DDP's reducer and FSDP1 cannot be "
                          f"captured), but --data-parallel asks for {a.data_parallel}: pass --data-parallel fsdp2, or "
                          "dp_compare's --step-graph instead, which captures the one-GPU and FSDP2 runs only")
-    if a.step_graph and not _compiled(a.config, extra):
+    if a.step_graph and cc is not None and not cc.enable:
         raise SystemExit("--step-graph captures compiled steps: add --compile.enable after --")
     if a.step_graph and a.cpu:
         raise SystemExit("--step-graph captures CUDA graphs, which --cpu runs cannot: drop one of them")
