@@ -100,6 +100,3 @@ class CompileCounter:
         per_kind = 1 + int(diagnostics) + int(evaluated)
         return self.kinds * per_kind + (1 + int(evaluated) if loss else 0)
 
-    def recompiles(self, **expected) -> int:
-        """Graphs beyond ``expected(**expected)``."""
-        return max(0, self.graphs() - self.expected(**expected))
