@@ -371,3 +371,19 @@ def test_step_graph_probe_refuses_profiling_without_a_gpu(tmp_path):
          "--tag", "x"], capture_output=True, text=True, timeout=120, cwd=common.REPO)
     assert proc.returncode == 2 and "leave them out with --cpu" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_cmp_fold_sdpa_folds_the_compressed_branch_into_plain_causal_attention():
+    """The fold that attempt 104 timed computes the compressed branch exactly: float64, T not a multiple of d."""
+    fold = _load_benchmark("cmp_fold_sdpa")
+    D_STRIDE, L, folded_attention = fold.D_STRIDE, fold.L, fold.folded_attention  # noqa: N806 - the module's names
+    torch.manual_seed(0)
+    b, t, hq, hkv, d = 2, 131, 6, 2, 8
+    tc = (t - L) // D_STRIDE + 1
+    q = torch.randn(b, t, hq, d, dtype=torch.float64)
+    k, v = torch.randn(2, b, tc, hkv, d, dtype=torch.float64)
+    seen = torch.arange(tc)[None] * D_STRIDE + L - 1 <= torch.arange(t)[:, None]  # [T, Tc]: key i visible to t
+    s = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(hq // hkv, 2)) / d**0.5
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)  # rows that see nothing: zeros
+    ref = torch.einsum("bhts,bshd->bthd", p, v.repeat_interleave(hq // hkv, 2))
+    torch.testing.assert_close(folded_attention(q, k, v, hkv), ref, rtol=1e-12, atol=1e-12)
