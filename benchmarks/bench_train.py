@@ -187,7 +187,8 @@ def write_markdown(result: dict, out: Path) -> None:
                      f"{fmt(r['initial_loss'], '.2f')} -> {fmt(r['final_loss'], '.2f')} |")
     lines += ["", "Summary mean: the trainer's summary.json tokens_per_s, over the log windows after the steps that "
               "compile, record CUDA graphs or capture the step graph (its steady_from_step; runs before 2026-11-28: "
-              "every window after step 1).", *notes]
+              "every window after step 1), less later windows in which torch.compile compiled (since the thirty-first "
+              "session).", *notes]
     (out / f"train_{result['tag']}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

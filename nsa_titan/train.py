@@ -128,7 +128,7 @@ def write_summary(path: Path, logger: MetricsLogger, *, steps_done: int, interru
         "interrupted": interrupted,
         "note": "tokens_per_s, mfu and gpu_busy cover the log windows from steady_from_step on: after the steps that "
                 "compile, record CUDA graphs or capture the step graph (or, in a run too short for that, after the "
-                "first log window)",
+                "first log window), less the later windows in which torch.compile compiled (compiled_windows_left_out)",
         "device": device_name(device),
         **software_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
             lr = scheduler.get_last_lr()[0]  # the lr this step uses (a host float, no sync)
             if cudagraphs:  # a new iteration: earlier graph outputs may be overwritten now
                 torch.compiler.cudagraph_mark_step_begin()
+            graphs_before = compile_counter.graphs()  # a dict read: a step that compiles stays out of the summary
             with diagnostics.collecting(logger.should_log(step)):  # filled during this forward on log steps
                 if step_graph is None:
                     loss, grad_norm = run_step(micro_batches, scheduler)
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None, hooks: TrainHooks | None = None) -> dict
                 unshard_early()
             num_tokens = sum(mb["input"].numel() for mb in micro_batches)
             collector.step(step)  # inside the step's time: its cost is part of training
-            logger.step_end(step, loss, grad_norm, num_tokens=num_tokens)
+            logger.step_end(step, loss, grad_norm, num_tokens=num_tokens,
+                            compiled=compile_counter.graphs() != graphs_before)
             steps_done = step
             log_step = logger.should_log(step)
             if log_step:

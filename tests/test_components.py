@@ -337,6 +337,25 @@ def test_summary_leaves_out_the_windows_that_hold_warmup_steps(tmp_path, warmup,
     assert s["tokens_per_s_per_gpu"] == pytest.approx(expect_tps)
 
 
+def test_summary_leaves_out_the_windows_in_which_torch_compile_compiled(tmp_path):
+    """A recompile late in a run (step 6 here) takes seconds: its window is not steady state. The records say how
+    many of their steps compiled, and the summary says how many windows it left out."""
+    clock = FakeClock()
+    logger = MetricsLogger(metrics_cfg(), dump_folder=tmp_path, total_steps=8, device=torch.device("cpu"),
+                           world_size=1, clock=clock, busy_timer=FakeBusy(clock, 1.0), print_fn=lambda s: None)
+    for step in range(1, 9):
+        logger.step_start()
+        clock.t += 5.0 if step in (1, 6) else 0.25  # steps 1 and 6 compile
+        logger.step_end(step, torch.tensor(1.0), torch.tensor(1.0), 1000, compiled=step in (1, 6))
+        if logger.should_log(step):
+            logger.log(step, lr=1e-3)
+    logger.close()
+    assert [r["compile_steps"] for r in logger.records] == [1, 0, 0, 1, 0]  # windows 1, 2, 3-4, 5-6, 7-8
+    s = logger.summary()
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(1000 / 0.25) and s["steady_from_step"] == 2
+    assert s["compiled_windows_left_out"] == 1
+
+
 def test_trainer_warmup_steps_follow_the_compile_mode():
     from nsa_titan.config import load_job_config
     from nsa_titan.train import warmup_steps

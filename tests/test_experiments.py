@@ -227,6 +227,10 @@ def test_steady_stats_use_windows_after_warmup():
     st = common.steady_stats(recs + [{"type": "val", "step": 12}], warmup=4)
     assert st["steps_timed"] == 8 and st["step_time_s"] == pytest.approx(0.5)
     assert st["tokens_per_s"] == pytest.approx(200.0) and st["first_step_s"] == 30.0
+    # A window in which torch.compile compiled (a recompile at steps 9-12) is no steady state either.
+    recs[3].update(window_s=20.0, compile_steps=1)
+    st = common.steady_stats(recs, warmup=4)
+    assert st["steps_timed"] == 4 and st["tokens_per_s"] == pytest.approx(200.0)
 
 
 def test_dp_compare_runs_the_trainer_once_then_reuses_the_run(tmp_path, monkeypatch):

@@ -117,6 +117,8 @@ def test_compiled_run_compiles_what_it_expects_and_trains_like_eager(tmp_path):
         recs = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = summary, [r["loss"] for r in recs if r["type"] == "train"], \
             [r["val_loss"] for r in recs if r["type"] == "val"]
+        # The trainer marks the steps that compiled (step 1's blocks and loss; validation compiles between steps).
+        assert [r["compile_steps"] for r in recs if r["type"] == "train"] == ([1, 0] if mode == "compiled" else [0, 0])
     stats = runs["compiled"][0]["compile"]
     assert stats == {**stats, "graphs": 4, "expected_graphs": 4, "recompiles": 0}, stats  # 1 + 1 blocks, 2 loss
     assert runs["compiled"][1] == pytest.approx(runs["eager"][1], rel=1e-4)

@@ -114,8 +114,9 @@ class CudaBusyTimer:
 
 def windows_after(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
     """The train log windows whose steps all come after ``step`` (a window ends at its record's ``step`` and spans
-    ``window_steps``): the summary's and the experiments' steady state."""
-    return [r for r in records if r["step"] - r["window_steps"] >= step]
+    ``window_steps``) and in which torch.compile compiled nothing (``compile_steps``: a recompile late in a run, the
+    diagnostics' first forward): the summary's and the experiments' steady state."""
+    return [r for r in records if r["step"] - r["window_steps"] >= step and not r.get("compile_steps")]
 
 
 def _fmt_pct(value: float | None, decimals: int) -> str:
@@ -226,6 +227,7 @@ class MetricsLogger:
         self._win_loss: torch.Tensor | None = None
         self._win_step_losses: list[torch.Tensor] = []  # each step's loss, read on the log step (loss curves)
         self._win_gnorm: torch.Tensor | None = None
+        self._win_compiled = 0  # steps of this window during which torch.compile compiled a graph
 
     def step_start(self) -> None:
         now = self._clock()
@@ -235,8 +237,10 @@ class MetricsLogger:
             self._win_start = now
         self._busy.start()
 
-    def step_end(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, num_tokens: int) -> None:
-        """loss / grad_norm: 0-d device tensors (not read here); num_tokens: this rank's input tokens."""
+    def step_end(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, num_tokens: int,
+                 compiled: bool = False) -> None:
+        """loss / grad_norm: 0-d device tensors (not read here); num_tokens: this rank's input tokens; compiled:
+        torch.compile compiled a graph during this step (its window then stays out of the steady state)."""
         self._busy.stop()
         self._tokens_total += num_tokens * self.world_size
         if not self.enabled:
@@ -245,6 +249,7 @@ class MetricsLogger:
             self._win_first_step = step
         self._win_steps += 1
         self._win_tokens += num_tokens
+        self._win_compiled += int(compiled)
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
         self._win_loss = loss if self._win_loss is None else self._win_loss + loss
         self._win_step_losses.append(loss)
@@ -324,6 +329,7 @@ class MetricsLogger:
             "window_steps": n,
             "window_s": wall,
             "window_tokens": self._win_tokens * self.world_size,
+            "compile_steps": self._win_compiled,
             "step_losses": step_losses,  # steps step - n + 1 .. step: per-step loss curves at any log_freq
         }
         self.records.append(record)
@@ -369,9 +375,9 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
 
     def steady_records(self) -> list[dict[str, Any]]:
-        """The log windows after the warm-up steps (``warmup_steps``): none of their steps compiled, recorded or
-        captured a graph. A run too short to have one falls back to every window but the first (then the whole run),
-        which still holds later warm-up steps."""
+        """The log windows after the warm-up steps (``warmup_steps``) in which nothing compiled: none of their
+        steps compiled, recorded or captured a graph. A run too short to have one falls back to every window but the
+        first (then the whole run), which still holds later warm-up steps."""
         recs = self.records
         return windows_after(recs, self.warmup_until_step) or recs[1:] or recs
 
@@ -399,8 +405,11 @@ class MetricsLogger:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": per_gpu,
             "steady_from_step": steady[0]["step"] - steady[0]["window_steps"] + 1 if steady else None,
-            # The mean above still holds later warm-up (a recompile, allocator growth); the last window
-            # is the closest to steady state a short benchmark run gets.
+            # Windows after the warm-up in which torch.compile compiled (a recompile) are not in the mean above.
+            "compiled_windows_left_out": sum(1 for r in recs if r["step"] - r["window_steps"] >= self.warmup_until_step
+                                             and r.get("compile_steps")),
+            # The mean still holds other late warm-up (allocator growth); the last window is the closest to
+            # steady state a short benchmark run gets.
             "last_window_tokens_per_s_per_gpu": (recs[-1]["window_tokens"] / recs[-1]["window_s"] / self.world_size
                                                  if recs and recs[-1]["window_s"] > 0 else None),
             "mfu": mfu,
