@@ -434,6 +434,21 @@ def test_the_parallelism_line_names_units_of_several_blocks():
     assert "per unit" not in describe_parallelism(ParallelDims.from_config(2, one.parallelism), one, 6, "cuda")
 
 
+def test_the_parallelism_line_points_compiled_fsdp2_at_the_step_graph():
+    """Compiled FSDP2 without the step graph is host-bound for small models (m7c: 39 % of one GPU against 101 %
+    with it): the startup line says so, and says when the whole step is replayed instead."""
+    def line(*extra, ranks=2):
+        cfg = load_job_config(["--model.n_layers", "2", *extra])
+        return describe_parallelism(ParallelDims.from_config(ranks, cfg.parallelism), cfg, 2, "cuda")
+
+    assert "--compile.step_graph" in line("--compile.enable")
+    assert "--compile.step_graph" not in line("--compile.enable", ranks=1)  # one GPU: reduce-overhead graphs
+    assert "--compile.step_graph" not in line()  # not compiled: nothing to replay
+    assert "--compile.step_graph" not in line("--compile.enable", "--parallelism.data_parallel", "ddp")
+    graphed = line("--compile.enable", "--compile.step_graph", "--metrics.nsa_diagnostics", "false")
+    assert "replayed as one CUDA graph" in graphed and "--compile.step_graph" not in graphed
+
+
 def test_compiled_loss_keeps_no_fp32_vocabulary_tensor_for_its_backward():
     """compile.loss: the eager loss (F.cross_entropy over an fp32 copy of the logits) saves an fp32 log-softmax
     [tokens, vocab] for its backward (7.8 GiB at the 1b's 64k, with 15.6 more of fp32 in that backward); the
