@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from _reference_step import reference_forward_backward
+from nsa_titan.components.device_stats import peak_flops_for_name
 from nsa_titan.components.lr_scheduler import build_lr_scheduler, lr_factor
-from nsa_titan.components.metrics import MetricsLogger, peak_flops_for_name
+from nsa_titan.components.metrics import MetricsLogger
 from nsa_titan.components.optimizer import build_optimizer, resolve_fused, split_decay_params
 from nsa_titan.components.runtime import World, configure_cuda_allocator, world_from_env
 from nsa_titan.components.train_step import clip_grad_norm, evaluate, forward_backward, train_step

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nsa_titan.components.metrics import GIB, peak_active_gib, peak_flops_for_name, peak_memory_gib
+from nsa_titan.components.device_stats import GIB, peak_active_gib, peak_flops_for_name, peak_memory_gib
 from nsa_titan.components.optimizer import build_optimizer
 from nsa_titan.components.runtime import (
     autocast_context,
