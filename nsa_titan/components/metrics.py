@@ -37,11 +37,17 @@ from nsa_titan.components.device_stats import (
 from nsa_titan.components.metric_sinks import open_sinks
 
 
+def starts_after(record: dict[str, Any], step: int) -> bool:
+    """Whether every step of a train log window comes after ``step`` (a window ends at its record's ``step`` and
+    spans ``window_steps``)."""
+    return record["step"] - record["window_steps"] >= step
+
+
 def windows_after(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-    """The train log windows whose steps all come after ``step`` (a window ends at its record's ``step`` and spans
-    ``window_steps``) and in which torch.compile compiled nothing (``compile_steps``: a recompile late in a run, the
-    diagnostics' first forward): the summary's and the experiments' steady state."""
-    return [r for r in records if r["step"] - r["window_steps"] >= step and not r.get("compile_steps")]
+    """The train log windows that start after ``step`` (starts_after) and in which torch.compile compiled nothing
+    (``compile_steps``: a recompile late in a run, the diagnostics' first forward): the summary's and the
+    experiments' steady state."""
+    return [r for r in records if starts_after(r, step) and not r.get("compile_steps")]
 
 
 def _fmt_pct(value: float | None, decimals: int) -> str:
@@ -331,7 +337,7 @@ class MetricsLogger:
             "tokens_per_s_per_gpu": per_gpu,
             "steady_from_step": steady[0]["step"] - steady[0]["window_steps"] + 1 if steady else None,
             # Windows after the warm-up in which torch.compile compiled (a recompile) are not in the mean above.
-            "compiled_windows_left_out": sum(1 for r in recs if r["step"] - r["window_steps"] >= self.warmup_until_step
+            "compiled_windows_left_out": sum(1 for r in recs if starts_after(r, self.warmup_until_step)
                                              and r.get("compile_steps")),
             # The mean still holds other late warm-up (allocator growth); the last window is the closest to
             # steady state a short benchmark run gets.
