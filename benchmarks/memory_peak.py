@@ -7,8 +7,10 @@ SNAPSHOT.pickle is ``torch.cuda.memory._snapshot()`` (or ``_dump_snapshot``) tak
 ``torch.cuda.memory._record_memory_history(...)`` was on: the file https://pytorch.org/memory_viz reads. The
 device's trace of allocator events is replayed to find when allocated bytes peaked; the allocations alive
 then are grouped by the source line that made them (the first frame matching --match, else the first frame
-outside torch). Pure pickle analysis, so it runs on a machine without CUDA. Prints markdown per snapshot;
-with --out writes memory_peak_<tag>.json and .md.
+outside torch). Also the allocator's pools at the snapshot, one per stream (segments, reserved, allocated and
+free bytes): where reserved-but-unused memory sits, e.g. FSDP's all-gather and reduce-scatter streams against the
+compute stream. Pure pickle analysis, so it runs on a machine without CUDA. Prints markdown per snapshot; with
+--out writes memory_peak_<tag>.json and .md.
 
 The peak is not torch.cuda.max_memory_allocated, for two reasons (both seen on an H100, torch 2.11): bytes
 are *requested* bytes, since the allocator records an event's size as the size asked for
@@ -135,12 +137,34 @@ def analyze(snapshot: dict, device: int = 0, match: tuple[str, ...] | list[str] 
     sites = [{"site": s, "bytes": b, "count": c} for s, (b, c) in by_site.items()]
     sites.sort(key=lambda r: (-r["bytes"], r["site"]))
     return {
+        "pools_at_snapshot": pools_by_stream(snapshot, device),
         "device": device, "peak_bytes": peak, "start_bytes": start, "end_bytes": end,
         "peak_event_index": peak_index, "n_events": len(trace), "sites": sites,
         # Allocated when the trace began and not yet freed at the peak. Negative means the end state and the
         # trace disagree (e.g. a snapshot of another device's segments), which the markdown flags.
         "before_window_bytes": start - freed_pre_window,
     }
+
+
+def pools_by_stream(snapshot: dict, device: int) -> list[dict]:
+    """The caching allocator's pools on ``device`` at the snapshot, one per stream (a block freed on one stream is
+    not handed to another, so reserved memory is the sum of these pools): segments, reserved bytes (segment sizes),
+    allocated bytes (blocks in a live state: allocated, or freed while another stream still uses them), free bytes
+    and the largest free block. Largest pool first; the compute stream is usually stream 0."""
+    pools: dict = defaultdict(lambda: {"segments": 0, "reserved": 0, "allocated": 0, "free": 0, "largest_free": 0})
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        pool = pools[seg.get("stream", 0)]
+        pool["segments"] += 1
+        pool["reserved"] += seg.get("total_size", sum(b["size"] for b in seg.get("blocks", [])))
+        for b in seg.get("blocks", []):
+            if b.get("state") in LIVE_STATES:
+                pool["allocated"] += b["size"]
+            elif b.get("state") == "inactive":
+                pool["free"] += b["size"]
+                pool["largest_free"] = max(pool["largest_free"], b["size"])
+    return sorted(({"stream": k, **v} for k, v in pools.items()), key=lambda p: (-p["reserved"], str(p["stream"])))
 
 
 def to_markdown(report: dict, top: int = 25, label: str = "") -> str:
@@ -164,6 +188,13 @@ def to_markdown(report: dict, top: int = 25, label: str = "") -> str:
     if rest:
         n = sum(s["bytes"] for s in rest)
         lines.append(f"| {gib(n)} | {share(n)} | {sum(s['count'] for s in rest)} | ({len(rest)} more sites) |")
+    pools = r.get("pools_at_snapshot") or []
+    if pools:  # reserved = allocated + free over every stream's pool, at the snapshot (not at the peak)
+        lines += ["", f"Reserved at the snapshot, by stream: {gib(sum(p['reserved'] for p in pools))} GiB", "",
+                  "| stream | segments | reserved GiB | allocated GiB | free GiB | largest free GiB |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['stream']} | {p['segments']} | {gib(p['reserved'])} | {gib(p['allocated'])} | "
+                  f"{gib(p['free'])} | {gib(p['largest_free'])} |" for p in pools]
     return "\n".join(lines) + "\n"
 
 

@@ -173,3 +173,31 @@ def test_cli_labels_snapshots_of_one_name_by_their_paths(tmp_path):
         paths[-1].write_bytes(pickle.dumps(snap(trace, [(0x100, 3 * MIB)])))
     reports = mp.main([str(p) for p in paths])
     assert [r["file"] for r in reports] == [str(p) for p in paths]
+
+
+def test_pools_by_stream_split_reserved_memory_per_stream():
+    """Reserved memory is the sum of per-stream pools; each pool's allocated, free and largest free block come from its
+    own segments' blocks (a block freed while another stream uses it still counts as allocated)."""
+    def seg(stream, blocks, device=0):
+        return {"device": device, "stream": stream, "address": 0, "total_size": sum(b[1] for b in blocks),
+                "blocks": [{"address": 0, "size": size, "requested_size": size, "state": state, "frames": []}
+                           for state, size in blocks]}
+    snapshot = {"segments": [
+        seg(0, [("active_allocated", 6 * MIB), ("inactive", 2 * MIB)]),
+        seg(0, [("inactive", 20 * MIB)]),
+        seg(7, [("active_pending_free", 4 * MIB), ("inactive", 1 * MIB)]),
+        seg(9, [("inactive", 3 * MIB)]),
+        seg(0, [("active_allocated", 50 * MIB)], device=1),  # another device: not counted
+    ], "device_traces": [[]]}
+    pools = mp.pools_by_stream(snapshot, 0)
+    assert [p["stream"] for p in pools] == [0, 7, 9]  # largest pool first
+    assert pools[0] == {"stream": 0, "segments": 2, "reserved": 28 * MIB, "allocated": 6 * MIB, "free": 22 * MIB,
+                        "largest_free": 20 * MIB}
+    assert pools[1] == {"stream": 7, "segments": 1, "reserved": 5 * MIB, "allocated": 4 * MIB, "free": 1 * MIB,
+                        "largest_free": 1 * MIB}
+    assert pools[2]["reserved"] == 3 * MIB and pools[2]["allocated"] == 0
+    report = {"file": "s", **mp.analyze(snapshot)}
+    assert report["pools_at_snapshot"] == pools
+    md = mp.to_markdown(report)
+    assert "Reserved at the snapshot, by stream: 0.035 GiB" in md
+    assert "| 7 | 1 | 0.005 | 0.004 | 0.001 | 0.001 |" in md
