@@ -2,7 +2,8 @@
 
 Each run is ``python -m nsa_titan.train`` (1 process) or ``torchrun --standalone --nproc_per_node N -m
 nsa_titan.train`` in its own process group, so memory and compile caches start clean. The steady state is
-the steps after ``--warmup`` (log windows that start after it), read from the run's metrics.jsonl:
+the steps after ``--warmup`` (log windows that start after it and in which torch.compile compiled nothing: the
+trainer summary's own rule, metrics.windows_after), read from the run's metrics.jsonl:
 
     python benchmarks/bench_parallel.py --flavors m7c,1b --seq 8192 --steps 12 --warmup 4 --out OUT_DIR
     python benchmarks/bench_parallel.py --cpu ...     # the same on CPU with gloo (a smoke test of the script)
@@ -25,6 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nsa_titan.components.metrics import windows_after  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLAVOR_BATCH = {"m7c": 2, "1b": 1, "debug": 2}  # local sequences per micro-batch at --seq
 # A run is "1gpu" or "<data_parallel>[+variant...]", e.g. "fsdp2+reshard_never"; variants add overrides.
@@ -63,9 +68,10 @@ def run_one(name: str, nproc: int, dp: str | None, flavor: str, a, extra: list[s
         row = {"run": name, "flavor": flavor, "gpus": nproc, "data_parallel": dp or "none", "wall_s": time.time() - t0}
         metrics = Path(dump) / "metrics.jsonl"
         recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-        steady = [r for r in recs if r.get("type") == "train" and r["step"] - r["window_steps"] >= a.warmup]
+        steady = windows_after([r for r in recs if r.get("type") == "train"], a.warmup)
         if rc != 0 or not steady:
-            return {**row, "error": f"exit {rc}, {len(steady)} steady log windows"}
+            return {**row, "error": f"exit {rc}, {len(steady)} steady log windows (windows after --warmup {a.warmup} "
+                                    "in which nothing compiled; raise --steps)"}
         wall = sum(r["window_s"] for r in steady)
         steps = sum(r["window_steps"] for r in steady)
         busy = [r for r in steady if r["gpu_busy"] is not None]
