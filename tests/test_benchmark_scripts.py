@@ -387,3 +387,58 @@ def test_cmp_fold_sdpa_folds_the_compressed_branch_into_plain_causal_attention()
     p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)  # rows that see nothing: zeros
     ref = torch.einsum("bhts,bshd->bthd", p, v.repeat_interleave(hq // hkv, 2))
     torch.testing.assert_close(folded_attention(q, k, v, hkv), ref, rtol=1e-12, atol=1e-12)
+
+
+def _probe(step_s, kernel_ms, categories, tokens=4096):
+    return {"tag": "t", "device": "GPU", "torch": "2.x", "date": "2026-11-28T00:00:00+00:00", "graph_step_s": step_s,
+            "tokens_per_step_per_rank": tokens, "replay_profile": {"kernel_ms": kernel_ms, "categories": categories}}
+
+
+def test_bounds_report_splits_steps_and_prices_the_target(tmp_path):
+    """Hand-made replay profiles: dense 100 ms (SDPA 60, rest 40 of kernels), NSA 50 ms (attention kernels 12 + 8 + 2
+    + 1, rest 30). Every number below is worked out by hand from them."""
+    mod = _load_benchmark("bounds_report")
+    dense = _probe(0.100, 100.0, {"sdpa/flash": 60.0, "matmul": 35.0, "other": 5.0})
+    nsa = _probe(0.050, 53.0, {"nsa: compressed/window": 12.0, "nsa: selected": 8.0, "nsa: select": 2.0,
+                               "nsa: combine/rowdot": 1.0, "matmul": 28.0, "other": 2.0})
+    (tmp_path / "d.json").write_text(json.dumps(dense))
+    (tmp_path / "n.json").write_text(json.dumps(nsa))
+    rep = mod.main(["--flavor", "debug", "--seq", "1024", "--target", "2.5", "--dense", str(tmp_path / "d.json"),
+                    "--nsa", str(tmp_path / "n.json"), "--variant", f"NSA again={tmp_path / 'n.json'}",
+                    "--out", str(tmp_path), "--tag", "t"])
+    b = rep["bounds"]
+    assert [r["rest_ms"] for r in rep["rows"]] == pytest.approx([40.0, 30.0, 30.0])
+    assert b["ratio"] == pytest.approx(2.0)
+    assert b["ceiling_free_attention"] == pytest.approx(100 / 30)
+    assert b["attention_now_ms"] == pytest.approx(20.0)  # 50 - 30: the step, not the kernels' overlapping sum
+    assert b["nsa_step_needed_ms"] == pytest.approx(40.0)
+    assert b["attention_needed_ms"] == pytest.approx(10.0)
+    assert b["attention_speedup_needed"] == pytest.approx(2.0)
+    f = b["useful_tflop"]
+    assert b["useful_tflops_per_s"]["nsa_now"] == pytest.approx(f["nsa"] / 20.0 * 1e3)
+    assert b["useful_tflops_per_s"]["sdpa"] == pytest.approx(f["dense"] / 60.0 * 1e3)
+    md = (tmp_path / "bounds_t.md").read_text()
+    assert "| NSA (debug) | 50.0 | 30.0 | 12.0 / 8.0 / 2.0 / 1.0 | 2.000x |" in md
+    assert "**2.00x** faster attention" in md
+    assert json.loads((tmp_path / "bounds_t.json").read_text())["rows"][2]["label"] == "NSA again"
+    # a target the rest alone cannot reach (100 / 30 = 3.33x at most) is said to be out of reach
+    out = mod.bounds(mod.split_step(dense), mod.split_step(nsa), 4.0, f)
+    assert out["attention_speedup_needed"] is None and out["useful_tflops_per_s"]["nsa_needed"] is None
+
+
+def test_bounds_report_attention_flops_follow_the_flops_module():
+    """NSA's training attention FLOPs per token: forward (with the selection's QK^T) once, twice under full AC, plus a
+    backward 2.5x the forward attention; dense alike without a selection."""
+    mod = _load_benchmark("bounds_report")
+    from nsa_titan.models.nsa.args import get_model_args
+    from nsa_titan.models.nsa.flops import forward_flops_breakdown, mean_keys_per_query
+
+    args = get_model_args("debug")
+    fwd = sum(v for k, v in forward_flops_breakdown(args, 2048).items() if k.startswith("attn_"))
+    sel = args.n_layers * 2.0 * args.head_dim * args.n_heads * mean_keys_per_query(args, 2048)["cmp"]
+    none, full = mod.attention_tflop("debug", 2048, 1000, False), mod.attention_tflop("debug", 2048, 1000, True)
+    assert none["nsa"] == pytest.approx((fwd + sel + 2.5 * fwd) * 1000 / 1e12)
+    assert full["nsa"] - none["nsa"] == pytest.approx((fwd + sel) * 1000 / 1e12)
+    dense_args = get_model_args("debug", attn_type="dense")
+    dfwd = sum(v for k, v in forward_flops_breakdown(dense_args, 2048).items() if k.startswith("attn_"))
+    assert none["dense"] == pytest.approx(3.5 * dfwd * 1000 / 1e12)
