@@ -42,6 +42,7 @@ def split_step(probe: dict) -> dict:
     return {"step_ms": probe["graph_step_s"] * 1e3, "attention_kernels_ms": attention,
             "rest_ms": prof["kernel_ms"] - attention, "categories": cats,
             "tokens": probe["tokens_per_step_per_rank"], "device": probe["device"], "torch": probe["torch"],
+            "triton": probe.get("triton"),  # recorded by the probe since the thirty-second session
             "date": probe["date"], "tag": probe.get("tag")}
 
 
@@ -83,7 +84,8 @@ def to_markdown(rep: dict) -> str:
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     lines = [f"# What bounds {rep['flavor']} at {rep['seq']} tokens{' (full AC)' if rep['ac_full'] else ''}: "
              f"{rows[0]['device']}", "",
-             f"torch {rows[0]['torch']}, {rows[0]['date'][:10]}; `benchmarks/bounds_report.py` over "
+             f"torch {rows[0]['torch']}, triton {rows[0]['triton'] or rep['triton'] or 'not recorded'}, "
+             f"{rows[0]['date'][:10]}; `benchmarks/bounds_report.py` over "
              "`step_graph_probe.py` results (one training step replayed from a CUDA graph, profiled per kernel). "
              "The rest = the kernels outside the attention, the same work in both models.", "",
              "| run | step ms | rest ms | attention kernels ms (band / selected / selection / combine, or SDPA) "
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=FILE",
                     help="more NSA runs to list (e.g. other model flags); the bounds use --nsa")
     ap.add_argument("--ac", choices=("none", "full"), default="none", help="the runs' activation checkpointing")
+    ap.add_argument("--triton", default=None, help="the runs' Triton version, for probe results that lack it")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(path) as f:
             rows.append({"label": label, "file": os.path.basename(path), **split_step(json.load(f))})
     flops = attention_tflop(a.flavor, a.seq, rows[1]["tokens"], a.ac == "full")
-    rep = {"flavor": a.flavor, "seq": a.seq, "ac_full": a.ac == "full", "rows": rows,
+    rep = {"flavor": a.flavor, "seq": a.seq, "ac_full": a.ac == "full", "triton": a.triton, "rows": rows,
            "bounds": bounds(rows[0], rows[1], a.target, flops)}
     md = to_markdown(rep)
     print(md)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import sys
 import time
@@ -75,6 +76,13 @@ def _trace(fn, path: Path, shapes: bool) -> None:
         fn()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -152,7 +160,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / args.steps, [float(x) for x in losses]
 
     res = dict(tag=args.tag, device="cpu" if args.cpu else torch.cuda.get_device_name(device),
-               world_size=world.world_size, torch=torch.__version__,
+               world_size=world.world_size, torch=torch.__version__, triton=_package_version("triton"),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                argv=sys.argv[1:], tokens_per_step_per_rank=tc.local_batch_size * tc.seq_len)
     for _ in range(args.warmup):  # compiles every block; Adam's state is made here, outside any capture
