@@ -25,11 +25,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from profile_block import CATEGORIES  # noqa: E402 - the kernel categories step_graph_probe's profile uses
 
 from nsa_titan.models.nsa.args import get_model_args  # noqa: E402
 from nsa_titan.models.nsa.flops import forward_flops_breakdown, mean_keys_per_query  # noqa: E402
 
-NSA_CATEGORIES = ("nsa: compressed/window", "nsa: selected", "nsa: select", "nsa: combine/rowdot")
+NSA_CATEGORIES = tuple(name for name, _ in CATEGORIES if name.startswith("nsa: "))
 ATTENTION_CATEGORIES = (*NSA_CATEGORIES, "sdpa/flash")
 BACKWARD_PER_FORWARD = 2.5  # attention backward / forward FLOPs (dQ, dK, dV and the recomputed P: 5 units to 2)
 
@@ -88,11 +91,11 @@ def to_markdown(rep: dict) -> str:
              f"{rows[0]['date'][:10]}; `benchmarks/bounds_report.py` over "
              "`step_graph_probe.py` results (one training step replayed from a CUDA graph, profiled per kernel). "
              "The rest = the kernels outside the attention, the same work in both models.", "",
-             "| run | step ms | rest ms | attention kernels ms (band / selected / selection / combine, or SDPA) "
+             "| run | step ms | rest ms | attention kernels ms (" + "; ".join(NSA_CATEGORIES) + "; or SDPA) "
              "| tokens/s vs dense |", "|---|---|---|---|---|"]
     for r in rows:
         c = r["categories"]
-        att = (" / ".join(f"{c.get(k, 0):.1f}" for k in NSA_CATEGORIES) if any(k in c for k in NSA_CATEGORIES)
+        att = ("; ".join(f"{c.get(k, 0):.1f}" for k in NSA_CATEGORIES) if any(k in c for k in NSA_CATEGORIES)
                else f"SDPA {c.get('sdpa/flash', 0):.1f}")
         lines.append(f"| {r['label']} | {r['step_ms']:.1f} | {r['rest_ms']:.1f} | {att} | "
                      f"{rows[0]['step_ms'] / r['step_ms']:.3f}x |")

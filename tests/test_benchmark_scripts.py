@@ -418,7 +418,7 @@ def test_bounds_report_splits_steps_and_prices_the_target(tmp_path):
     assert b["useful_tflops_per_s"]["nsa_now"] == pytest.approx(f["nsa"] / 20.0 * 1e3)
     assert b["useful_tflops_per_s"]["sdpa"] == pytest.approx(f["dense"] / 60.0 * 1e3)
     md = (tmp_path / "bounds_t.md").read_text()
-    assert "| NSA (debug) | 50.0 | 30.0 | 12.0 / 8.0 / 2.0 / 1.0 | 2.000x |" in md
+    assert "| NSA (debug) | 50.0 | 30.0 | 12.0; 2.0; 8.0; 1.0 | 2.000x |" in md  # profile_block.CATEGORIES order
     assert "**2.00x** faster attention" in md
     assert json.loads((tmp_path / "bounds_t.json").read_text())["rows"][2]["label"] == "NSA again"
     # a target the rest alone cannot reach (100 / 30 = 3.33x at most) is said to be out of reach
