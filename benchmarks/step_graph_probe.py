@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import sys
 import time
@@ -42,7 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_block's kernel categories (--profile)
 
 from nsa_titan.components.optimizer import build_optimizer, local_shard  # noqa: E402
-from nsa_titan.components.runtime import autocast_context, start_process_group, world_from_env  # noqa: E402
+from nsa_titan.components.runtime import (  # noqa: E402
+    autocast_context,
+    software_versions,
+    start_process_group,
+    world_from_env,
+)
 from nsa_titan.components.step_graph import NoSchedule, cuda_capture  # noqa: E402
 from nsa_titan.components.train_step import token_loss_sum, train_step  # noqa: E402
 from nsa_titan.config import load_job_config  # noqa: E402
@@ -76,13 +80,6 @@ def _trace(fn, path: Path, shapes: bool) -> None:
         fn()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def main() -> None:
@@ -160,7 +157,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / args.steps, [float(x) for x in losses]
 
     res = dict(tag=args.tag, device="cpu" if args.cpu else torch.cuda.get_device_name(device),
-               world_size=world.world_size, torch=torch.__version__, triton=_package_version("triton"),
+               world_size=world.world_size, torch=torch.__version__, triton=software_versions()["triton"],
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                argv=sys.argv[1:], tokens_per_step_per_rank=tc.local_batch_size * tc.seq_len)
     for _ in range(args.warmup):  # compiles every block; Adam's state is made here, outside any capture
