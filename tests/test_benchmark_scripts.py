@@ -442,3 +442,55 @@ def test_bounds_report_attention_flops_follow_the_flops_module():
     dense_args = get_model_args("debug", attn_type="dense")
     dfwd = sum(v for k, v in forward_flops_breakdown(dense_args, 2048).items() if k.startswith("attn_"))
     assert none["dense"] == pytest.approx(3.5 * dfwd * 1000 / 1e12)
+
+
+def _summary(peak, params, attn_type="nsa", seq=65536, ac="full", gpus=1, optimizer="adamw"):
+    return {"peak_mem_gib": peak, "tokens_per_s": 100.0 * gpus, "tokens_per_s_per_gpu": 100.0, "device": "GPU X",
+            "torch": "2.x", "triton": "3.x", "date": "2026-12-06",
+            "model": {"params_with_embedding": params, "args": {"attn_type": attn_type, "compress": "mlp",
+                                                                "shared_kv": False}},
+            "config": {"optimizer": {"name": optimizer}, "training": {"seq_len": seq},
+                       "activation_checkpoint": {"mode": ac}}}
+
+
+def test_memory_bound_prices_extra_parameters_at_their_state_bytes(tmp_path):
+    """Dense 10 GiB with 1M parameters; an NSA run with 2^30 / 12 * 3 more parameters carries 3 GiB more state, so it is
+    predicted at 13 GiB and a measured 13.5 GiB leaves +0.5 GiB of activations. Other lengths, AC modes, GPU counts and
+    optimizers are refused with the fix."""
+    mod = _load_benchmark("memory_bound")
+    extra = 3 * 2**30 // 12
+    paths = {}
+    for name, s in {"d": _summary(10.0, 10**6, "dense"), "n": _summary(13.5, 10**6 + extra),
+                    "len": _summary(13.5, 10**6 + extra, seq=8192), "dp": _summary(13.5, 10**6 + extra, gpus=2),
+                    "opt": _summary(13.5, 10**6 + extra, optimizer="lion")}.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(s))
+    mod.main(["--baseline", str(paths["d"]), str(paths["n"]), "--out", str(tmp_path), "--tag", "t"])
+    row = json.loads((tmp_path / "memory_bound_t.json").read_text())["runs"][0]
+    assert row["extra_params"] == extra
+    assert row["extra_state_gib"] == pytest.approx(3.0)
+    assert row["predicted_gib"] == pytest.approx(13.0)
+    assert row["residual_gib"] == pytest.approx(0.5)
+    assert "| NSA (compress mlp) | 269,435,456 | 268,435,456 | 13.500 | +3.500 | 3.000 | 13.000 | +0.5000 |" in (
+        tmp_path / "memory_bound_t.md").read_text()
+    for bad, words in (("len", "one length and AC mode"), ("dp", "pass one-GPU runs"), ("opt", "no state size")):
+        with pytest.raises(SystemExit, match=words):
+            mod.main(["--baseline", str(paths["d"]), str(paths[bad])])
+
+
+def test_memory_bound_state_bytes_are_what_the_trainer_s_adamw_holds():
+    """The 12 B per parameter the bound charges: the trainer's AdamW (components/optimizer.py) after one step holds an
+    fp32 master weight and two fp32 moments per parameter, nothing else of parameter size."""
+    from nsa_titan.components.optimizer import build_optimizer
+    from nsa_titan.config.job_config import Optimizer
+
+    mod = _load_benchmark("memory_bound")
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 24), torch.nn.LayerNorm(24))
+    opt = build_optimizer(model, Optimizer(), "cpu")
+    model(torch.arange(4)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.numel() > 1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (weights + state) / n == mod.PARAM_STATE_BYTES["adamw"]
