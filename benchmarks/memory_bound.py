@@ -68,8 +68,8 @@ def markdown(baseline: dict, rows: list[dict]) -> str:
     out = [f"# Peak memory over {label(b)}: parameter state against the rest ({b['device']})", "",
            f"torch {b['torch']}, triton {b['triton']}, {b['date']}; seq {b['seq_len']}, AC {b['ac']}; "
            "`benchmarks/memory_bound.py` over the runs' summary.json. Predicted = the baseline's peak + the extra "
-           "parameters x 12 B (fp32 weight + AdamW's two moments); residual = measured - predicted: what the run's "
-           "activations at its peak add.", "",
+           f"parameters x {b['state_bytes_per_param']} B (the optimizer's state per parameter with its fp32 weight); "
+           "residual = measured - predicted: what the run's activations at its peak add.", "",
            "| run | params | extra params | peak GiB | over baseline GiB | extra parameter state GiB | predicted GiB | "
            "residual GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|",
            f"| {label(b)} (baseline) | {b['params']:,} | 0 | {b['peak_gib']:.3f} | 0 | 0 | - | - |"]
