@@ -444,6 +444,47 @@ def test_bounds_report_attention_flops_follow_the_flops_module():
     assert none["dense"] == pytest.approx(3.5 * dfwd * 1000 / 1e12)
 
 
+def test_bounds_report_executed_flops_count_the_deterministic_backward_and_the_selected_dq_form(tmp_path):
+    """Executed = the forwards (with the selection) + 7 backward units per 2 forward units for the band branches and
+    5 (dQ from stored dS) or 7 (recomputed) for the selected branch; the form follows the dS buffer's bytes against
+    dq_buffer_gib. --from-json rewrites an earlier report with it."""
+    mod = _load_benchmark("bounds_report")
+    from nsa_titan.models.nsa.args import get_model_args
+    from nsa_titan.models.nsa.flops import forward_flops_breakdown, mean_keys_per_query
+
+    args = get_model_args("1b")
+    parts = forward_flops_breakdown(args, 32768)
+    sel = args.n_layers * 2.0 * args.head_dim * args.n_heads * mean_keys_per_query(args, 32768)["cmp"]
+    fwd = parts["attn_cmp"] + parts["attn_slc"] + parts["attn_win"]
+    # the 1b's dS: tokens x 16 heads x 16 slots x 64 keys x 2 B = 2 GiB at 65536 tokens, its budget
+    assert mod.selected_dq_form("1b", 65536) == "ds" and mod.selected_dq_form("1b", 65537) == "recompute"
+    got = mod.attention_tflop("1b", 32768, 32768, False)
+    band = 3.5 * (parts["attn_cmp"] + parts["attn_win"])
+    assert got["nsa_executed"] == pytest.approx((fwd + sel + band + 2.5 * parts["attn_slc"]) * 32768 / 1e12)
+    assert got["nsa_executed"] - got["nsa"] == pytest.approx((parts["attn_cmp"] + parts["attn_win"]) * 32768 / 1e12)
+    rc = mod.attention_tflop("1b", 32768, 4 * 32768, True)  # 128k tokens: dQ recomputed; full AC: forwards twice
+    assert rc["nsa_executed"] == pytest.approx((2 * (fwd + sel) + band + 3.5 * parts["attn_slc"]) * 4 * 32768 / 1e12)
+
+    dense = _probe(0.100, 100.0, {"sdpa/flash": 60.0, "matmul": 40.0}, tokens=32768)
+    nsa = _probe(0.050, 50.0, {"nsa: compressed/window": 12.0, "nsa: selected": 8.0, "matmul": 30.0}, tokens=32768)
+    (tmp_path / "d.json").write_text(json.dumps(dense))
+    (tmp_path / "n.json").write_text(json.dumps(nsa))
+    first = mod.main(["--flavor", "1b", "--seq", "32768", "--target", "2.0", "--dense", str(tmp_path / "d.json"),
+                      "--nsa", str(tmp_path / "n.json"), "--out", str(tmp_path), "--tag", "a"])
+    e = first["bounds"]["executed_tflops_per_s"]
+    assert e["nsa_now"] == pytest.approx(got["nsa_executed"] / 20.0 * 1e3)  # attention 50 - 30 ms
+    assert e["nsa_needed"] == pytest.approx(got["nsa_executed"] / 20.0 * 1e3)  # needs 100 / 2 - 30 ms
+    old = json.loads((tmp_path / "bounds_a.json").read_text())
+    del old["bounds"]["executed_tflops_per_s"], old["bounds"]["useful_tflop"]["nsa_executed"]  # a report before it
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    again = mod.main(["--from-json", str(tmp_path / "old.json"), "--out", str(tmp_path), "--tag", "b"])
+    assert again["bounds"] == first["bounds"]
+    ratio = e["nsa_needed"] / first["bounds"]["useful_tflops_per_s"]["sdpa"]
+    assert f"= **{ratio:.0%} of SDPA's rate** in the same step." in (tmp_path / "bounds_b.md").read_text()
+    with pytest.raises(SystemExit, match="--target, --dense"):
+        mod.main(["--flavor", "1b", "--seq", "32768", "--nsa", str(tmp_path / "n.json")])
+
+
 def _summary(peak, params, attn_type="nsa", seq=65536, ac="full", gpus=1, optimizer="adamw"):
     return {"peak_mem_gib": peak, "tokens_per_s": 100.0 * gpus, "tokens_per_s_per_gpu": 100.0, "device": "GPU X",
             "torch": "2.x", "triton": "3.x", "date": "2026-12-06",
