@@ -62,12 +62,15 @@ def _band_split_check(device):
         q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
                        [(B, T, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, T, HQ, D)])
         outs, want = [], _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
-        # The third: dK/dV with the keys as the MMA rows (band_bwd KT: the same sums, transposed).
-        for split, keys_rows in ((False, False), (True, False), (True, True)):
+        # The third: dK/dV with the keys as the MMA rows (band_bwd KT: the same sums, transposed); the fourth with the
+        # compressed keys' queries cut into equal parts per key tile instead of balanced splits (band_bwd._split_plan:
+        # the same partials summed in another grouping).
+        for split, keys_rows, balanced in ((False, False, True), (True, False, True), (True, True, True),
+                                           (True, True, False)):
             cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1, split=split)
             o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
             grads = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg,
-                                      cfg_dkdv=dict(cfg, keys_rows=keys_rows), doc_start=ds)
+                                      cfg_dkdv=dict(cfg, keys_rows=keys_rows, balanced=balanced), doc_start=ds)
             fin = torch.isfinite(lse)
             outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
             naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([o, *grads], want)))

@@ -204,13 +204,42 @@ def test_band_dkdv_takes_its_few_tiles_shape_only_for_small_grids_and_never_over
     gpu = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))  # only its device is read
 
     def shape(batch, cfg=None, window=512, S=8192):
-        rows, bk, _, _, kt, nsplit = band_bwd._dkdv_launch(16, 128, window, gpu, cfg, S, 8192, batch, 1)
+        rows, bk, _, _, kt, (nsplit, _, _) = band_bwd._dkdv_launch(16, 128, window, gpu, cfg, S, 8192, batch, 1)
         return bk, kt, nsplit
 
     assert shape(1) == (64, False, 1)  # 64 tiles of 128 keys: 64 programs < 66
     assert shape(2) == (128, True, 1)  # 128 programs
     assert shape(1, dict(rows=64, BK=128, num_warps=8, num_stages=3)) == (128, True, 1)  # explicit: inherits KT
     assert shape(1, window=0, S=511)[:2] == (128, True)  # compressed keys: split over queries, enough programs
+
+
+def test_band_dkdv_balanced_splits_give_each_key_tile_splits_by_the_queries_that_see_it(monkeypatch):
+    """Attempt 109's split plan, checked on the 1b's compressed keys at 32k (16 tiles of 128 keys, key i at 16 i + 31):
+    every split but a tile's last walks the same chunk (a multiple of the row tile, ~4 programs per SM, >= 256
+    queries), each tile's splits cover exactly the packed rows that see it, the grid is their sum over the heads, and
+    nsplit (the partial slots) is the first tile's count. The uniform plan and a windowed branch keep _num_splits."""
+    import math
+    from types import SimpleNamespace
+
+    from nsa_titan.kernels import band_bwd
+
+    monkeypatch.setattr(band_bwd, "sm_count", lambda index: 132)
+    gpu = SimpleNamespace(type="cuda", index=0)
+    T, S, bk, rows, G = 32768, 2047, 128, 64, 16
+    seen = [(T - (n * bk * 16 + 31)) * G for n in range(16)]
+    nsplit, chunk, programs = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, True)
+    assert chunk % rows == 0 and chunk >= 256 * G and chunk == math.ceil(sum(seen) / (4 * 132) / rows) * rows
+    counts = [math.ceil(x / chunk) for x in seen]
+    assert all((c - 1) * chunk < x <= c * chunk for c, x in zip(counts, seen))
+    assert nsplit == counts[0] > counts[-1] and programs == sum(counts)
+    _, chunk4, programs4 = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 4, gpu, True)  # 4 heads: 4x the rows
+    assert chunk4 == math.ceil(4 * sum(seen) / (4 * 132) / rows) * rows
+    assert programs4 == 4 * sum(math.ceil(x / chunk4) for x in seen)
+    uniform = band_bwd._num_splits(T, 16, 0, gpu)
+    assert band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, False) == (uniform, 0, uniform * 16)
+    assert band_bwd._split_plan(T, T, 64, rows, G, 1, 0, 512, 1, gpu, True) == (1, 0, 512)  # window: one split
+    # key tiles no query sees (past the last query) still get one program, which writes their zero dK/dV
+    assert band_bwd._split_plan(100, 50, 16, 16, 2, 16, 31, 0, 1, gpu, True)[2] == 4
 
 
 def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_does_not_compile(monkeypatch):

@@ -170,17 +170,35 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
 
 @triton.jit
 def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
-                   T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, G: tl.constexpr,
+                   T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, CHUNK, G: tl.constexpr,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
-                   TMA: tl.constexpr, KT: tl.constexpr, I32: tl.constexpr = False):
+                   TMA: tl.constexpr, KT: tl.constexpr, I32: tl.constexpr = False, BAL: tl.constexpr = False,
+                   TP: tl.constexpr = 1):
     """dK/dV of one key tile over one split of the queries that see it; partials [NSPLIT, B, S, HKV, D] (fp32, or the
     outputs themselves in their dtype when NSPLIT is 1). With
     TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive).
     I32 (launch option i32_rows, pointer loads only): the query tiles' row arithmetic in 32 bits from batch b's
-    bases, as the selected walk's (attempt 95)."""
-    pid_n, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bases, as the selected walk's (attempt 95).
+    BAL (balanced splits, _split_plan): every split walks CHUNK packed rows (the tile's last one what is left), so a
+    key tile seen by more queries gets more splits, up to NSPLIT; TP: next_pow2 of the key tiles. The last split of a
+    tile zeroes its partial slots past its split count, so that the fixed sum over NSPLIT slots stays exact. Its grid
+    puts the key tile slowest: the GPU starts programs in grid order, so the splits of the first (under the causal
+    mask the longest) key tiles start before the short last ones: longest first."""
+    pid = tl.program_id(0)
+    if BAL:
+        nn = tl.arange(0, TP)
+        ns = tl.maximum(tl.cdiv(tl.maximum(TQ - (nn * BK * KSTRIDE + KOFF), 0) * G, CHUNK), 1)
+        ns = tl.where(nn * BK < S, ns, 0)  # splits of each key tile
+        cum = tl.cumsum(ns * (B * HKV), 0)  # programs of the tiles up to each, all heads
+        pid_n = tl.sum((cum <= pid).to(tl.int32), 0)
+        ns_n = tl.sum(tl.where(nn == pid_n, ns, 0), 0)
+        r = pid - tl.sum(tl.where(nn == pid_n, cum - ns * (B * HKV), 0), 0)
+        pid_s, pid_bh = r % ns_n, r // ns_n
+    else:  # uniform splits: the key tile fastest, as the grid (tiles, heads, splits) before attempt 109
+        tiles = tl.cdiv(S, BK)
+        pid_n, pid_bh, pid_s = pid % tiles, (pid // tiles) % (B * HKV), pid // (tiles * B * HKV)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     i = pid_n * BK + tl.arange(0, BK)
@@ -195,7 +213,10 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     if WIN > 0:
         q_hi = tl.minimum(TQ, (tl.minimum(pid_n * BK + BK, S) - 1) * KSTRIDE + KOFF + WIN)
     q_lo, q_hi = q_lo * G, q_hi * G  # as packed rows
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), ROWS) * ROWS
+    if BAL:
+        chunk = CHUNK
+    else:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(q_hi - q_lo, 0), NSPLIT), ROWS) * ROWS
     lo = q_lo + pid_s * chunk
     hi = tl.minimum(lo + chunk, q_hi)
     acc_k = tl.zeros([BK, DKP], tl.float32)
@@ -227,6 +248,14 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
              mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
+    if BAL:
+        if pid_s == ns_n - 1:  # the slots no split of this tile writes
+            for z in range(ns_n, NSPLIT):
+                zb = ((z * B + b) * S + i[:, None]) * HKV + kv
+                tl.store(DKP_ + zb * DK + dk[None, :], tl.zeros([BK, DKP], DKP_.dtype.element_ty),
+                         mask=kmask[:, None] & (dk[None, :] < DK))
+                tl.store(DVP_ + zb * DV + dv[None, :], tl.zeros([BK, DVP], DVP_.dtype.element_ty),
+                         mask=kmask[:, None] & (dv[None, :] < DV))
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -253,22 +282,50 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
     return max(1, min(want, 32, triton.cdiv(T, 256)))
 
 
+def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff: int, window: int, bh: int,
+                device: torch.device, balanced: bool) -> tuple[int, int, int]:
+    """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, and every windowed branch):
+    _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows, so that
+    a key tile gets splits in proportion to the queries that see it (under the causal mask the first compressed
+    tiles are seen by ~all T queries, the last by few: uniform parts left the first tiles' splits up to 2x the
+    average program, and started them last). The chunk aims at ~4 programs per SM, >= 256 queries per split (each
+    program loads its K/V tile and writes a partial); nsplit is the first tile's count, which bounds the fp32
+    partials at ~2 x programs x BK rows whatever T. On the CPU (the interpreter) three splits for the first tile."""
+    tiles = triton.cdiv(S, bk)
+    if window > 0 or not balanced:
+        nsplit = _num_splits(tq, tiles * bh, window, device)
+        return nsplit, 0, nsplit * tiles * bh
+    seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
+    if device.type == "cuda":
+        chunk = max(triton.cdiv(sum(seen) * bh, 4 * sm_count(device.index or 0)), 256 * G)
+    else:
+        chunk = triton.cdiv(seen[0], 3)
+    chunk = triton.cdiv(max(chunk, 1), rows) * rows
+    counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
+    return max(counts), chunk, sum(counts) * bh
+
+
 def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | None, S: int, tq: int, B: int,
-                 HKV: int) -> tuple:
-    """-> (rows, BK, launch kwargs, tma, KT, nsplit) of the dK/dV kernel. KT (the keys as the MMA rows) is the launch
-    config's ``keys_rows``. TUNED may name a ``few_tiles`` shape for grids of fewer programs than half the SMs (its G
-    16 entries: their 128-key tiles leave the 1b's 8k window at batch 1 with 64 programs, where 64-key tiles run
-    faster); an explicit cfg (a sweep) is taken as it is."""
+                 HKV: int, kstride: int = 1, koff: int = 0) -> tuple:
+    """-> (rows, BK, launch kwargs, tma, KT, (nsplit, chunk, programs)) of the dK/dV kernel. KT (the keys as the MMA
+    rows) is the launch config's ``keys_rows``, the split plan its ``balanced`` (default off; _split_plan). TUNED may
+    name a ``few_tiles`` shape for grids of fewer programs than half the SMs (its G 16 entries: their 128-key tiles
+    leave the 1b's 8k window at batch 1 with 64 programs, where 64-key tiles run faster); an explicit cfg (a sweep)
+    is taken as it is."""
     cuda = q.device.type == "cuda"
     c = dict(launch_cfg("band_dkdv", pow2(G), dmax, window > 0, cuda), **(cfg or {}))
-    rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
-    nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
-    few = cuda and triton.cdiv(S, bk) * B * HKV * nsplit < sm_count(q.device.index or 0) // 2
-    if not cfg and "few_tiles" in c and few:
-        c = {**c, **c["few_tiles"]}
+
+    def plan(c: dict) -> tuple:
         rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
-        nsplit = _num_splits(tq, triton.cdiv(S, bk) * B * HKV, window, q.device)
-    return rows, bk, kw, tma, bool(c.get("keys_rows", False)), nsplit
+        splits = _split_plan(tq, S, bk, rows, G, kstride, koff, window, B * HKV, q.device,
+                             bool(c.get("balanced", False)))
+        return rows, bk, kw, tma, splits
+
+    rows, bk, kw, tma, splits = plan(c)
+    if not cfg and "few_tiles" in c and cuda and splits[2] < sm_count(q.device.index or 0) // 2:
+        c = {**c, **c["few_tiles"]}
+        rows, bk, kw, tma, splits = plan(c)
+    return rows, bk, kw, tma, bool(c.get("keys_rows", False)), splits
 
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
@@ -303,7 +360,8 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
                     kv_specs(k, v, bk), tma, dict(ROWS=rows, BK=bk, **dims, ACC=dq_acc is not None, **kw))
     if parts == "dq":
         return dq, None, None
-    rows, bk, kw, tma, kt, nsplit = _dkdv_launch(G, max(DK, DV), window, q, cfg_dkdv, S, tq, B, HKV)
+    rows, bk, kw, tma, kt, (nsplit, chunk, programs) = _dkdv_launch(G, max(DK, DV), window, q, cfg_dkdv, S, tq, B,
+                                                                     HKV, kstride, koff)
     # One split (the window branch): the kernel rounds dK / dV into the outputs itself (contiguous [B, S, HKV, D] is
     # the partials' layout with NSPLIT = 1), not into fp32 partials that a cast copies afterwards.
     direct = dkv_acc is None and nsplit == 1
@@ -316,10 +374,11 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
         dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
-        launch_tma(_band_bwd_dkdv, (triton.cdiv(S, bk), B * HKV, nsplit),
+        launch_tma(_band_bwd_dkdv, (programs,),
                     (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
-                     nsplit), _rows_specs(q, do, rows, HKV), tma,
-                    dict(ROWS=rows, BK=bk, **dims, KT=kt, **{**kw, "I32": kw["I32"] and fits_i32(q, do[0].numel())}))
+                     nsplit, chunk), _rows_specs(q, do, rows, HKV), tma,
+                    dict(ROWS=rows, BK=bk, **dims, KT=kt, BAL=chunk > 0, TP=pow2(triton.cdiv(S, bk)),
+                         **{**kw, "I32": kw["I32"] and fits_i32(q, do[0].numel())}))
     if dkv_acc is not None:
         dk, dv = dkv_acc
         add_splits(dkp, dk)
