@@ -73,6 +73,15 @@ def _band_split_check(device):
                                       cfg_dkdv=dict(cfg, keys_rows=keys_rows, balanced=balanced), doc_start=ds)
             fin = torch.isfinite(lse)
             outs.append([o, torch.where(fin, lse, 0.0), fin.float(), *grads])
+            if balanced and win == 0:  # the sums of balanced partials added into a caller's tensors, and written
+                acc = (torch.ones_like(k), torch.ones_like(v))  # to its own (the model's dkv_acc and dkv_out)
+                into = (torch.empty_like(k), torch.empty_like(v))
+                kw = dict(cfg_dq=cfg, cfg_dkdv=dict(cfg, keys_rows=keys_rows, balanced=True), doc_start=ds,
+                          parts="dkdv")
+                band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, dkv_acc=acc, **kw)
+                band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, dkv_out=into, **kw)
+                naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([acc[0] - 1, acc[1] - 1, *into],
+                                                                                  [*want[2:], *want[2:]])))
             naive = max(naive, *(rel_err(a.cpu().double(), b) for a, b in zip([o, *grads], want)))
         worst[name] = max(rel_err(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
     # The interpreter runs both loop bodies op for op: equal to the bit (1e-5 leaves room for a reordering). On
@@ -81,6 +90,32 @@ def _band_split_check(device):
     return {"ok": max(worst.values()) < (1e-5 if device == "cpu" else TOL["float32"]) and naive < TOL["float32"],
             "worst": worst, "naive": naive}
 
+
+
+def _add_splits_balanced_check(device):
+    """combine.add_splits over band_bwd's balanced partials reads only the slots a key tile's splits write: with
+    chunk 50 packed rows, G 2, l 8 / d 4 keys (tile t of 4 keys first seen by query 16 t + 7) and 38 queries, the
+    tiles have 2, 1 and 1 splits (62, 30 and 0 rows), and every slot past those holds NaN, which must not reach the
+    sum; added into ones (dkv_acc) and written (acc False)."""
+    import math
+
+    import torch
+
+    from nsa_titan.kernels.combine import add_splits
+
+    S, H, D, bk, chunk, tq, g = 10, 1, 16, 4, 50, 38, 2
+    part = torch.randn(3, 1, S, H, D, generator=torch.Generator().manual_seed(0)).to(device)
+    used = [max(1, math.ceil(max(tq - (i // bk * bk * 4 + 7), 0) * g / chunk)) for i in range(S)]
+    want = torch.stack([part[:u, 0, i].sum(0) for i, u in enumerate(used)])[None]  # [1, S, H, D]
+    for i, u in enumerate(used):
+        part[u:, 0, i] = float("nan")
+    acc = torch.ones(1, S + 2, H, D, device=device)  # more rows than keys, as the model's dkv_acc may have
+    add_splits(part, acc, balanced=(chunk, tq, bk, 4, 7, g))
+    out = torch.empty(1, S, H, D, device=device)
+    add_splits(part, out, acc=False, balanced=(chunk, tq, bk, 4, 7, g))
+    err = max(rel_err(acc[:, :S].cpu().double() - 1, want.double()), rel_err(out.cpu().double(), want.double()))
+    return {"ok": used[:4] == [2] * 4 and used[4] == 1 and err < 1e-6 and bool((acc[:, S:] == 1).all()),
+            "used": used, "err": err}
 
 
 def _band_tma_check(device):

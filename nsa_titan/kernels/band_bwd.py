@@ -182,10 +182,10 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     I32 (launch option i32_rows, pointer loads only): the query tiles' row arithmetic in 32 bits from batch b's
     bases, as the selected walk's (attempt 95).
     BAL (balanced splits, _split_plan): every split walks CHUNK packed rows (the tile's last one what is left), so a
-    key tile seen by more queries gets more splits, up to NSPLIT; TP: next_pow2 of the key tiles. The last split of a
-    tile zeroes its partial slots past its split count, so that the fixed sum over NSPLIT slots stays exact. Its grid
-    puts the key tile slowest: the GPU starts programs in grid order, so the splits of the first (under the causal
-    mask the longest) key tiles start before the short last ones: longest first."""
+    key tile seen by more queries gets more splits, up to NSPLIT; TP: next_pow2 of the key tiles. A tile's slots past
+    its split count stay unwritten (combine.add_splits skips them). Its grid puts the key tile slowest: the GPU
+    starts programs in grid order, so the splits of the first (under the causal mask the longest) key tiles start
+    before the short last ones: longest first."""
     pid = tl.program_id(0)
     if BAL:
         nn = tl.arange(0, TP)
@@ -248,14 +248,6 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
              mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
-    if BAL:
-        if pid_s == ns_n - 1:  # the slots no split of this tile writes
-            for z in range(ns_n, NSPLIT):
-                zb = ((z * B + b) * S + i[:, None]) * HKV + kv
-                tl.store(DKP_ + zb * DK + dk[None, :], tl.zeros([BK, DKP], DKP_.dtype.element_ty),
-                         mask=kmask[:, None] & (dk[None, :] < DK))
-                tl.store(DVP_ + zb * DV + dv[None, :], tl.zeros([BK, DVP], DVP_.dtype.element_ty),
-                         mask=kmask[:, None] & (dv[None, :] < DV))
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -283,12 +275,13 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
 
 
 def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff: int, window: int, bh: int,
-                device: torch.device, balanced: bool) -> tuple[int, int, int]:
+                device: torch.device, balanced: bool, per_sm: int = 4) -> tuple[int, int, int]:
     """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, and every windowed branch):
     _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows, so that
     a key tile gets splits in proportion to the queries that see it (under the causal mask the first compressed
     tiles are seen by ~all T queries, the last by few: uniform parts left the first tiles' splits up to 2x the
-    average program, and started them last). The chunk aims at ~4 programs per SM, >= 256 queries per split (each
+    average program, and started them last). The chunk aims at ``per_sm`` programs per SM (the launch config's
+    ``split_per_sm``, default 4), >= 256 queries per split (each
     program loads its K/V tile and writes a partial); nsplit is the first tile's count, which bounds the fp32
     partials at ~2 x programs x BK rows whatever T. On the CPU (the interpreter) three splits for the first tile."""
     tiles = triton.cdiv(S, bk)
@@ -297,7 +290,7 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
         return nsplit, 0, nsplit * tiles * bh
     seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
     if device.type == "cuda":
-        chunk = max(triton.cdiv(sum(seen) * bh, 4 * sm_count(device.index or 0)), 256 * G)
+        chunk = max(triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0)), 256 * G)
     else:
         chunk = triton.cdiv(seen[0], 3)
     chunk = triton.cdiv(max(chunk, 1), rows) * rows
@@ -318,7 +311,7 @@ def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | No
     def plan(c: dict) -> tuple:
         rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
         splits = _split_plan(tq, S, bk, rows, G, kstride, koff, window, B * HKV, q.device,
-                             bool(c.get("balanced", False)))
+                             bool(c.get("balanced", False)), int(c.get("split_per_sm", 4)))
         return rows, bk, kw, tma, splits
 
     rows, bk, kw, tma, splits = plan(c)
@@ -379,17 +372,22 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
                      nsplit, chunk), _rows_specs(q, do, rows, HKV), tma,
                     dict(ROWS=rows, BK=bk, **dims, KT=kt, BAL=chunk > 0, TP=pow2(triton.cdiv(S, bk)),
                          **{**kw, "I32": kw["I32"] and fits_i32(q, do[0].numel())}))
+    balanced = (chunk, tq, bk, kstride, koff, G) if chunk else None  # which partial slots hold sums (add_splits)
     if dkv_acc is not None:
         dk, dv = dkv_acc
-        add_splits(dkp, dk)
-        add_splits(dvp, dv)
+        add_splits(dkp, dk, balanced=balanced)
+        add_splits(dvp, dv, balanced=balanced)
         return dq, dk, dv
-    if not direct:
+    if not direct and balanced:  # one pass over the written slots, rounded into the outputs
+        outs = dkv_out if dkv_out is not None and all(x.is_contiguous() for x in dkv_out) else None
+        dk, dv = outs if outs is not None else (torch.empty(B, S, HKV, DK, device=q.device, dtype=k.dtype),
+                                                torch.empty(B, S, HKV, DV, device=q.device, dtype=v.dtype))
+        add_splits(dkp, dk, acc=False, balanced=balanced)
+        add_splits(dvp, dv, acc=False, balanced=balanced)
+    elif not direct:
         dk, dv = dkp.sum(0), dvp.sum(0)
-    elif dkv_out is None or dk is dkv_out[0]:
-        return dq, dk, dv
-    if dkv_out is None:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    if dkv_out is None or dk is dkv_out[0]:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)  # no copy where they already are
     dkv_out[0].copy_(dk)
     dkv_out[1].copy_(dv)
     return dq, *dkv_out

@@ -151,29 +151,43 @@ def combine_bwd(dout, o_c, o_s, o_w, gates, lses):
 
 
 @triton.jit
-def _add_splits(P, X, N, S, T, HKV, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr):
+def _add_splits(P, X, N, S, T, HKV, NSPLIT, CHUNK, TQ, KSTRIDE, KOFF, G, D: tl.constexpr, DP: tl.constexpr,
+                BR: tl.constexpr, ACC: tl.constexpr, BK: tl.constexpr):
     """X[b, i, kv] (the first S token rows of a [B, T, HKV, D] tensor) += the sum of the NSPLIT fp32 partials
     P[:, b, i, kv] ([NSPLIT, B, S, HKV, D]), in fp32 in split order, rounded once: one kernel for what took
-    five torch ops per tensor (sum, two casts, add, slice copy)."""
+    five torch ops per tensor (sum, two casts, add, slice copy). ACC False: X = the sum (X not read).
+    CHUNK > 0 (band_bwd's balanced splits, _split_plan): key i's tile i // BK has only
+    max(1, cdiv(max(TQ - (tile BK KSTRIDE + KOFF), 0) G, CHUNK)) splits; its other slots are never written, not read."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)  # (b * S + i) * HKV + kv
     d = tl.arange(0, DP)
     m = (r < N)[:, None] & (d[None, :] < D)
     b = r // (S * HKV)
     x_ptr = X + ((b * T * HKV + r - b * (S * HKV)).to(tl.int64) * D)[:, None] + d[None, :]
-    acc = tl.load(x_ptr, mask=m, other=0.0).to(tl.float32)
+    if ACC:
+        acc = tl.load(x_ptr, mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BR, DP], tl.float32)
+    used = r * 0 + NSPLIT
+    if CHUNK > 0:
+        first = ((r // HKV) % S) // BK * BK * KSTRIDE + KOFF  # the first query that sees the row's key tile
+        used = tl.maximum(tl.cdiv(tl.maximum(TQ - first, 0) * G, CHUNK), 1)
     for sp in range(0, NSPLIT):
-        acc += tl.load(P + ((sp * N + r).to(tl.int64) * D)[:, None] + d[None, :], mask=m, other=0.0)
+        acc += tl.load(P + ((sp * N + r).to(tl.int64) * D)[:, None] + d[None, :], mask=m & (sp < used)[:, None],
+                       other=0.0)
     tl.store(x_ptr, acc.to(X.dtype.element_ty), mask=m)
 
 
-def add_splits(part, x) -> None:
+def add_splits(part, x, acc: bool = True, balanced: tuple | None = None) -> None:
     """x [B, T, H, D] (contiguous): its first S token rows += part.sum(0) for fp32 partials part [NSPLIT, B, S, H, D],
-    summed in fp32 and rounded once (band_bwd.band_bwd's dkv_acc)."""
+    summed in fp32 and rounded once (band_bwd.band_bwd's dkv_acc); ``acc`` False: x = the sum. ``balanced``: the
+    partials of band_bwd's balanced splits, (chunk, n_queries, BK, kstride, koff, G), where a key tile fills only
+    the first of its slots (band_bwd._split_plan); the rest are skipped."""
     nsplit, B, S, H, D = part.shape
     if not (x.is_contiguous() and x.shape[0] == B and x.shape[1] >= S and x.shape[2:] == (H, D)):
         raise ValueError(f"add_splits: need a contiguous [{B}, >= {S}, {H}, {D}] tensor, got {tuple(x.shape)} "
                          f"(contiguous={x.is_contiguous()})")
+    chunk, tq, bk, kstride, koff, g = balanced or (0, 0, 1, 0, 0, 0)
     n = B * S * H
     if n:
-        run(_add_splits, (triton.cdiv(n, 64),), part, x, n, S, x.shape[1], H, nsplit, D=D, DP=pow2(max(D, 16)), BR=64,
-            num_warps=4)
+        run(_add_splits, (triton.cdiv(n, 64),), part, x, n, S, x.shape[1], H, nsplit, chunk, tq, kstride, koff, g, D=D,
+            DP=pow2(max(D, 16)), BR=64, ACC=acc, BK=bk, num_warps=4)
