@@ -22,7 +22,7 @@ from nsa_titan.kernels.band import (
     launch_cfg,
     sm_count,
 )
-from nsa_titan.kernels.combine import add_splits, fits_i32, pow2, rowdot
+from nsa_titan.kernels.combine import add_splits, balanced_splits, fits_i32, pow2, rowdot
 from nsa_titan.kernels.tma import kv_specs, launch_tma
 
 
@@ -189,8 +189,7 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, 
     pid = tl.program_id(0)
     if BAL:
         nn = tl.arange(0, TP)
-        ns = tl.maximum(tl.cdiv(tl.maximum(TQ - (nn * BK * KSTRIDE + KOFF), 0) * G, CHUNK), 1)
-        ns = tl.where(nn * BK < S, ns, 0)  # splits of each key tile
+        ns = tl.where(nn * BK < S, balanced_splits(nn, TQ, BK, KSTRIDE, KOFF, G, CHUNK), 0)  # each key tile's
         cum = tl.cumsum(ns * (B * HKV), 0)  # programs of the tiles up to each, all heads
         pid_n = tl.sum((cum <= pid).to(tl.int32), 0)
         ns_n = tl.sum(tl.where(nn == pid_n, ns, 0), 0)
@@ -281,9 +280,10 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
     a key tile gets splits in proportion to the queries that see it (under the causal mask the first compressed
     tiles are seen by ~all T queries, the last by few: uniform parts left the first tiles' splits up to 2x the
     average program, and started them last). The chunk aims at ``per_sm`` programs per SM (the launch config's
-    ``split_per_sm``, default 4), >= 256 queries per split (each
-    program loads its K/V tile and writes a partial); nsplit is the first tile's count, which bounds the fp32
-    partials at ~2 x programs x BK rows whatever T. On the CPU (the interpreter) three splits for the first tile."""
+    ``split_per_sm``, default 4), >= 256 queries per split (each program loads its K/V tile and writes a partial);
+    nsplit is the first tile's count, which bounds the fp32 partials at ~2 x programs x BK rows whatever T. The counts
+    are combine.balanced_splits' (the kernels compute them again, per program). On the CPU (the interpreter) three
+    splits for the first tile."""
     tiles = triton.cdiv(S, bk)
     if window > 0 or not balanced:
         nsplit = _num_splits(tq, tiles * bh, window, device)

@@ -151,6 +151,14 @@ def combine_bwd(dout, o_c, o_s, o_w, gates, lses):
 
 
 @triton.jit
+def balanced_splits(tile, TQ, BK: tl.constexpr, KSTRIDE, KOFF, G, CHUNK):
+    """How many splits of CHUNK packed rows band_bwd's balanced dK/dV gives key tile ``tile`` (scalar or vector):
+    the rows of the queries from the tile's first key's position on, at least one (band_bwd._split_plan's counts;
+    both its dK/dV kernel and _add_splits read them from here)."""
+    return tl.maximum(tl.cdiv(tl.maximum(TQ - (tile * BK * KSTRIDE + KOFF), 0) * G, CHUNK), 1)
+
+
+@triton.jit
 def _add_splits(P, X, N, S, T, HKV, NSPLIT, CHUNK, TQ, KSTRIDE, KOFF, G, D: tl.constexpr, DP: tl.constexpr,
                 BR: tl.constexpr, ACC: tl.constexpr, BK: tl.constexpr):
     """X[b, i, kv] (the first S token rows of a [B, T, HKV, D] tensor) += the sum of the NSPLIT fp32 partials
@@ -169,8 +177,7 @@ def _add_splits(P, X, N, S, T, HKV, NSPLIT, CHUNK, TQ, KSTRIDE, KOFF, G, D: tl.c
         acc = tl.zeros([BR, DP], tl.float32)
     used = r * 0 + NSPLIT
     if CHUNK > 0:
-        first = ((r // HKV) % S) // BK * BK * KSTRIDE + KOFF  # the first query that sees the row's key tile
-        used = tl.maximum(tl.cdiv(tl.maximum(TQ - first, 0) * G, CHUNK), 1)
+        used = balanced_splits(((r // HKV) % S) // BK, TQ, BK, KSTRIDE, KOFF, G, CHUNK)  # the row's key tile's
     for sp in range(0, NSPLIT):
         acc += tl.load(P + ((sp * N + r).to(tl.int64) * D)[:, None] + d[None, :], mask=m & (sp < used)[:, None],
                        other=0.0)
