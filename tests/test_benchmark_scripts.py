@@ -539,12 +539,15 @@ def test_memory_bound_state_bytes_are_what_the_trainer_s_adamw_holds():
 
 def test_ab_band_dkdv_reads_cases_and_takes_the_median_speedup():
     """ab_band_dkdv.py's pure parts: CONFIG:T[:B] cases (a bad one names the form), each plan's median and the
-    speed-up uniform / balanced per case in the JSON rows and the markdown."""
+    speed-up uniform / plan per case in the JSON rows and the markdown."""
     mod = _load_benchmark("ab_band_dkdv")
     assert mod.parse_cases("1b:32768,m7c:8192:2") == [("1b", 32768, 1), ("m7c", 8192, 2)]
     with pytest.raises(SystemExit, match="CONFIG:T or CONFIG:T:B"):
         mod.parse_cases("1b")
-    rows = mod.summarize({"1b T=32768 B=1": {"uniform": [1.0, 3.0, 2.0], "balanced": [1.0, 0.5, 2.0]}})
-    assert rows[0]["speedup"] == pytest.approx(2.0)  # medians 2.0 / 1.0
+    rows = mod.summarize({"1b T=32768 B=1": {"uniform": [1.0, 3.0, 2.0], "balanced": [1.0, 0.5, 2.0],
+                                             "balanced_q1024": [4.0, 4.0, 5.0]}})
+    assert rows[0]["speedup"] == pytest.approx({"balanced": 2.0, "balanced_q1024": 0.5})  # medians 2 / 1, 2 / 4
     md = mod.to_markdown({"device": "GPU", "torch": "2.x", "triton": "3.x", "date": "2026-12-07", "rounds": 3}, rows)
-    assert "| 1b T=32768 B=1 | 1.000 / 3.000 / 2.000 | 1.000 / 0.500 / 2.000 | 2.000x |" in md
+    assert ("| 1b T=32768 B=1 | 1.000 / 3.000 / 2.000 | 1.000 / 0.500 / 2.000 | 4.000 / 4.000 / 5.000 | 2.000x | "
+            "0.500x |") in md
+    assert set(mod.PLANS) >= {"uniform", "balanced"} and mod.PLANS["uniform"] == {"balanced": False}

@@ -274,13 +274,14 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
 
 
 def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff: int, window: int, bh: int,
-                device: torch.device, balanced: bool, per_sm: int = 4) -> tuple[int, int, int]:
+                device: torch.device, balanced: bool, per_sm: int = 4, min_queries: int = 256) -> tuple[int, int, int]:
     """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, and every windowed branch):
     _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows, so that
     a key tile gets splits in proportion to the queries that see it (under the causal mask the first compressed
     tiles are seen by ~all T queries, the last by few: uniform parts left the first tiles' splits up to 2x the
     average program, and started them last). The chunk aims at ``per_sm`` programs per SM (the launch config's
-    ``split_per_sm``, default 4), >= 256 queries per split (each program loads its K/V tile and writes a partial);
+    ``split_per_sm``, default 4), >= ``min_queries`` queries per split (``split_min_queries``, default 256: each program
+    loads its K/V tile and writes a partial);
     nsplit is the first tile's count, which bounds the fp32 partials at ~2 x programs x BK rows whatever T. The counts
     are combine.balanced_splits' (the kernels compute them again, per program). On the CPU (the interpreter) three
     splits for the first tile."""
@@ -290,7 +291,7 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
         return nsplit, 0, nsplit * tiles * bh
     seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
     if device.type == "cuda":
-        chunk = max(triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0)), 256 * G)
+        chunk = max(triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0)), min_queries * G)
     else:
         chunk = triton.cdiv(seen[0], 3)
     chunk = triton.cdiv(max(chunk, 1), rows) * rows
@@ -311,7 +312,8 @@ def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | No
     def plan(c: dict) -> tuple:
         rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
         splits = _split_plan(tq, S, bk, rows, G, kstride, koff, window, B * HKV, q.device,
-                             bool(c.get("balanced", False)), int(c.get("split_per_sm", 4)))
+                             bool(c.get("balanced", False)), int(c.get("split_per_sm", 4)),
+                             int(c.get("split_min_queries", 256)))
         return rows, bk, kw, tma, splits
 
     rows, bk, kw, tma, splits = plan(c)
