@@ -36,8 +36,8 @@ def parse_cases(text: str) -> list[tuple[str, int, int]]:
 
 PLANS = {  # launch options set on TUNED's no-window band_dkdv entries for each plan (band_bwd._split_plan)
     "uniform": dict(balanced=False),
-    "balanced": dict(balanced=True),
-    "balanced_q1024": dict(balanced=True, split_min_queries=1024),  # >= 1024 queries per split, not 256
+    "balanced": dict(balanced=True, balanced_min_queries=0),  # at any chunk length
+    "tuned": {},  # TUNED as it is: balanced where its entry says so and the chunk is long enough
 }
 
 

@@ -545,8 +545,8 @@ def test_ab_band_dkdv_reads_cases_and_takes_the_median_speedup():
     with pytest.raises(SystemExit, match="CONFIG:T or CONFIG:T:B"):
         mod.parse_cases("1b")
     rows = mod.summarize({"1b T=32768 B=1": {"uniform": [1.0, 3.0, 2.0], "balanced": [1.0, 0.5, 2.0],
-                                             "balanced_q1024": [4.0, 4.0, 5.0]}})
-    assert rows[0]["speedup"] == pytest.approx({"balanced": 2.0, "balanced_q1024": 0.5})  # medians 2 / 1, 2 / 4
+                                             "tuned": [4.0, 4.0, 5.0]}})
+    assert rows[0]["speedup"] == pytest.approx({"balanced": 2.0, "tuned": 0.5})  # medians 2 / 1, 2 / 4
     md = mod.to_markdown({"device": "GPU", "torch": "2.x", "triton": "3.x", "date": "2026-12-07", "rounds": 3}, rows)
     assert ("| 1b T=32768 B=1 | 1.000 / 3.000 / 2.000 | 1.000 / 0.500 / 2.000 | 4.000 / 4.000 / 5.000 | 2.000x | "
             "0.500x |") in md

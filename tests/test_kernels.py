@@ -214,10 +214,11 @@ def test_band_dkdv_takes_its_few_tiles_shape_only_for_small_grids_and_never_over
 
 
 def test_band_dkdv_balanced_splits_give_each_key_tile_splits_by_the_queries_that_see_it(monkeypatch):
-    """Attempt 109's split plan, checked on the 1b's compressed keys at 32k (16 tiles of 128 keys, key i at 16 i + 31):
-    every split but a tile's last walks the same chunk (a multiple of the row tile, ~4 programs per SM, >= 256
-    queries), each tile's splits cover exactly the packed rows that see it, the grid is their sum over the heads, and
-    nsplit (the partial slots) is the first tile's count. The uniform plan and a windowed branch keep _num_splits."""
+    """Attempt 109's split plan, checked on the 1b's compressed keys at 64k (32 tiles of 128 keys, key i at 16 i + 31):
+    every split but a tile's last walks the same chunk (a multiple of the row tile, ~4 programs per SM), each tile's
+    splits cover exactly the packed rows that see it, the grid is their sum over the heads, and nsplit (the partial
+    slots) is the first tile's count. Chunks shorter than min_queries (default 1024: the 1b at 32k, 528 queries) keep
+    the uniform plan, as do the plan turned off and a windowed branch (_num_splits)."""
     import math
     from types import SimpleNamespace
 
@@ -225,21 +226,26 @@ def test_band_dkdv_balanced_splits_give_each_key_tile_splits_by_the_queries_that
 
     monkeypatch.setattr(band_bwd, "sm_count", lambda index: 132)
     gpu = SimpleNamespace(type="cuda", index=0)
-    T, S, bk, rows, G = 32768, 2047, 128, 64, 16
-    seen = [(T - (n * bk * 16 + 31)) * G for n in range(16)]
+    T, S, bk, rows, G = 65536, 4095, 128, 64, 16
+    seen = [(T - (n * bk * 16 + 31)) * G for n in range(32)]
     nsplit, chunk, programs = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, True)
-    assert chunk % rows == 0 and chunk >= 256 * G and chunk == math.ceil(sum(seen) / (4 * 132) / rows) * rows
+    assert chunk % rows == 0 and chunk >= 1024 * G and chunk == math.ceil(sum(seen) / (4 * 132) / rows) * rows
     counts = [math.ceil(x / chunk) for x in seen]
     assert all((c - 1) * chunk < x <= c * chunk for c, x in zip(counts, seen))
     assert nsplit == counts[0] > counts[-1] and programs == sum(counts)
     _, chunk4, programs4 = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 4, gpu, True)  # 4 heads: 4x the rows
     assert chunk4 == math.ceil(4 * sum(seen) / (4 * 132) / rows) * rows
     assert programs4 == 4 * sum(math.ceil(x / chunk4) for x in seen)
-    uniform = band_bwd._num_splits(T, 16, 0, gpu)
-    assert band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, False) == (uniform, 0, uniform * 16)
-    assert band_bwd._split_plan(T, T, 64, rows, G, 1, 0, 512, 1, gpu, True) == (1, 0, 512)  # window: one split
-    # key tiles no query sees (past the last query) still get one program, which writes their zero dK/dV
-    assert band_bwd._split_plan(100, 50, 16, 16, 2, 16, 31, 0, 1, gpu, True)[2] == 4
+    uniform = band_bwd._num_splits(T, 32, 0, gpu)
+    assert band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, False) == (uniform, 0, uniform * 32)
+    assert band_bwd._split_plan(T, T, 64, rows, G, 1, 0, 512, 1, gpu, True) == (1, 0, T // 64)  # window: one split
+    # the 1b at 32k: 528 queries per chunk, under the 1024 that balanced splits need (uniform), unless told otherwise
+    u32 = band_bwd._num_splits(32768, 16, 0, gpu)
+    assert band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True) == (u32, 0, u32 * 16)
+    assert band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True, min_queries=512)[1] == 528 * G
+    # key tiles no query sees (past the last query) still get one program, which writes their zero dK/dV: tile 0 is
+    # seen by 69 queries (138 rows, chunks of 16 rows), tiles 1-3 by none
+    assert band_bwd._split_plan(100, 50, 16, 16, 2, 16, 31, 0, 1, gpu, True, min_queries=0) == (9, 16, 9 + 3)
 
 
 def test_band_launch_falls_back_to_pointer_loads_once_when_the_descriptor_form_does_not_compile(monkeypatch):

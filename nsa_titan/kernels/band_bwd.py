@@ -274,26 +274,29 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
 
 
 def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff: int, window: int, bh: int,
-                device: torch.device, balanced: bool, per_sm: int = 4, min_queries: int = 256) -> tuple[int, int, int]:
-    """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, and every windowed branch):
-    _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows, so that
-    a key tile gets splits in proportion to the queries that see it (under the causal mask the first compressed
-    tiles are seen by ~all T queries, the last by few: uniform parts left the first tiles' splits up to 2x the
-    average program, and started them last). The chunk aims at ``per_sm`` programs per SM (the launch config's
-    ``split_per_sm``, default 4), >= ``min_queries`` queries per split (``split_min_queries``, default 256: each program
-    loads its K/V tile and writes a partial);
+                device: torch.device, balanced: bool, per_sm: int = 4, min_queries: int = 1024) -> tuple[int, int, int]:
+    """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, every windowed branch, and short
+    chunks): _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows,
+    so that a key tile gets splits in proportion to the queries that see it (under the causal mask the first
+    compressed tiles are seen by ~all T queries, the last by few: uniform parts leave the first tiles' splits up to 2x
+    the average program). The chunk aims at ``per_sm`` programs per SM (the launch config's ``split_per_sm``, default
+    4); where that chunk is shorter than ``min_queries`` queries (``balanced_min_queries``, default 1024) the plan
+    stays uniform: measured on an H100 (ab_band_dkdv_s35b), balanced lost at chunks of 256-528 queries (the 1b at 8k
+    and 32k 0.74-0.80x, m7c 8k batch 2 0.65x) and won from 2048 on (1b 64k 1.19x, m7c 32k 1.16x, qwen7b 32k 1.23x,
+    paper 32k 1.03x), and a floor that lengthened short chunks (fewer programs) lost more (1b 32k 0.69x).
     nsplit is the first tile's count, which bounds the fp32 partials at ~2 x programs x BK rows whatever T. The counts
     are combine.balanced_splits' (the kernels compute them again, per program). On the CPU (the interpreter) three
-    splits for the first tile."""
+    splits for the first tile, whatever the length."""
     tiles = triton.cdiv(S, bk)
+    seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
+    if device.type == "cuda":
+        chunk = triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0))
+        balanced = balanced and chunk >= min_queries * G
+    else:
+        chunk = triton.cdiv(seen[0], 3)
     if window > 0 or not balanced:
         nsplit = _num_splits(tq, tiles * bh, window, device)
         return nsplit, 0, nsplit * tiles * bh
-    seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
-    if device.type == "cuda":
-        chunk = max(triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0)), min_queries * G)
-    else:
-        chunk = triton.cdiv(seen[0], 3)
     chunk = triton.cdiv(max(chunk, 1), rows) * rows
     counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
     return max(counts), chunk, sum(counts) * bh
@@ -313,7 +316,7 @@ def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | No
         rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
         splits = _split_plan(tq, S, bk, rows, G, kstride, koff, window, B * HKV, q.device,
                              bool(c.get("balanced", False)), int(c.get("split_per_sm", 4)),
-                             int(c.get("split_min_queries", 256)))
+                             int(c.get("balanced_min_queries", 1024)))
         return rows, bk, kw, tma, splits
 
     rows, bk, kw, tma, splits = plan(c)
