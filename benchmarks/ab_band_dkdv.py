@@ -37,6 +37,7 @@ def parse_cases(text: str) -> list[tuple[str, int, int]]:
 PLANS = {  # launch options set on TUNED's no-window band_dkdv entries for each plan (band_bwd._split_plan)
     "uniform": dict(balanced=False),
     "balanced": dict(balanced=True, balanced_min_queries=0),  # at any chunk length
+    "balanced_cap": dict(balanced=True, balanced_min_queries=0, balanced_cap=True),  # <= 4 programs per SM (110)
     "tuned": {},  # TUNED as it is: balanced where its entry says so and the chunk is long enough
 }
 

@@ -232,9 +232,16 @@ def test_band_dkdv_balanced_splits_give_each_key_tile_splits_by_the_queries_that
     assert chunk % rows == 0 and chunk >= 1024 * G and chunk == math.ceil(sum(seen) / (4 * 132) / rows) * rows
     counts = [math.ceil(x / chunk) for x in seen]
     assert all((c - 1) * chunk < x <= c * chunk for c, x in zip(counts, seen))
-    assert nsplit == counts[0] > counts[-1] and programs == sum(counts)
-    _, chunk4, programs4 = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 4, gpu, True)  # 4 heads: 4x the rows
-    assert chunk4 == math.ceil(4 * sum(seen) / (4 * 132) / rows) * rows
+    assert nsplit == counts[0] > counts[-1] and programs == sum(counts) <= 4 * 132
+
+    def fits(chunk, heads):  # the grid of this chunk fits per_sm x SMs programs
+        return heads * sum(max(1, math.ceil(x / chunk)) for x in seen) <= 4 * 132
+
+    # 4 heads: 4x the rows; with the cap the chunk is the first row-tile multiple from the even share whose grid fits
+    _, chunk4, programs4 = band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 4, gpu, True, cap=True)
+    first = math.ceil(4 * sum(seen) / (4 * 132) / rows) * rows
+    assert chunk4 % rows == 0 and chunk4 >= first and fits(chunk4, 4)
+    assert chunk4 == first or not fits(chunk4 - rows, 4)
     assert programs4 == 4 * sum(math.ceil(x / chunk4) for x in seen)
     uniform = band_bwd._num_splits(T, 32, 0, gpu)
     assert band_bwd._split_plan(T, S, bk, rows, G, 16, 31, 0, 1, gpu, False) == (uniform, 0, uniform * 32)
@@ -242,7 +249,12 @@ def test_band_dkdv_balanced_splits_give_each_key_tile_splits_by_the_queries_that
     # the 1b at 32k: 528 queries per chunk, under the 1024 that balanced splits need (uniform), unless told otherwise
     u32 = band_bwd._num_splits(32768, 16, 0, gpu)
     assert band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True) == (u32, 0, u32 * 16)
-    assert band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True, min_queries=512)[1] == 528 * G
+    # with a lower threshold it is balanced: rounding 16 tiles' counts up gives 535 programs at 528 queries a chunk,
+    # and the cap grows the chunk until the grid fits 528
+    plan32 = band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True, min_queries=512)
+    assert plan32 == (63, 528 * G, 535)
+    _, c32, p32 = band_bwd._split_plan(32768, 2047, bk, rows, G, 16, 31, 0, 1, gpu, True, min_queries=512, cap=True)
+    assert c32 > 528 * G and c32 % rows == 0 and p32 <= 4 * 132
     # key tiles no query sees (past the last query) still get one program, which writes their zero dK/dV: tile 0 is
     # seen by 69 queries (138 rows, chunks of 16 rows), tiles 1-3 by none
     assert band_bwd._split_plan(100, 50, 16, 16, 2, 16, 31, 0, 1, gpu, True, min_queries=0) == (9, 16, 9 + 3)

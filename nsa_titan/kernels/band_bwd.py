@@ -8,6 +8,8 @@ contiguous parts whose fp32 partial sums are added afterwards in a fixed order (
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -274,7 +276,8 @@ def _num_splits(T: int, tiles: int, window: int, device: torch.device) -> int:
 
 
 def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff: int, window: int, bh: int,
-                device: torch.device, balanced: bool, per_sm: int = 4, min_queries: int = 1024) -> tuple[int, int, int]:
+                device: torch.device, balanced: bool, per_sm: int = 4, min_queries: int = 1024,
+                cap: bool = False) -> tuple[int, int, int]:
     """-> (nsplit, chunk, programs) of the dK/dV grid. Uniform (``balanced`` off, every windowed branch, and short
     chunks): _num_splits parts per key tile, chunk 0. Balanced (attempt 109): every split walks ``chunk`` packed rows,
     so that a key tile gets splits in proportion to the queries that see it (under the causal mask the first
@@ -288,17 +291,40 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
     are combine.balanced_splits' (the kernels compute them again, per program). On the CPU (the interpreter) three
     splits for the first tile, whatever the length."""
     tiles = triton.cdiv(S, bk)
+    if window == 0 and balanced and device.type == "cuda":
+        plan = _balanced_plan(tq, tiles, bk, rows, G, kstride, koff, bh, per_sm * sm_count(device.index or 0),
+                              min_queries, cap)
+        if plan is not None:
+            return plan
+    elif window == 0 and balanced:
+        seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]
+        chunk = triton.cdiv(max(triton.cdiv(seen[0], 3), 1), rows) * rows
+        counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
+        return max(counts), chunk, sum(counts) * bh
+    nsplit = _num_splits(tq, tiles * bh, window, device)
+    return nsplit, 0, nsplit * tiles * bh
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_plan(tq: int, tiles: int, bk: int, rows: int, G: int, kstride: int, koff: int, bh: int, target: int,
+                   min_queries: int, cap: bool) -> tuple[int, int, int] | None:
+    """_split_plan's balanced grid on a GPU, or None where its chunk is shorter than min_queries queries. ``cap``
+    (launch option ``balanced_cap``): the chunk grows by row tiles until the programs fit ``target`` (per_sm x SMs).
+    Rounding every tile's count up adds up to a program per tile, and where one program runs per SM (the G 16 key's
+    128-key tiles) a grid a few programs over whole waves ends with a wave of full-length ones (the 1b at 32k: 535
+    programs of one chunk for 4 x 132 slots). Attempt 110, H100 (ab_band_dkdv_s35c): with the cap the kernel gained
+    at the 1b's 64k (1.19x -> 1.21x over uniform), paper 32k (1.03x -> 1.10x), m7c 32k (1.16x -> 1.25x, with
+    add_splits' change), but qwen7b's 32k fell from 1.23x to 1.02x (its longest program 12 % longer, 576 -> 528
+    programs where more than one runs per SM): on in TUNED per key, as measured."""
     seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
-    if device.type == "cuda":
-        chunk = triton.cdiv(sum(seen) * bh, per_sm * sm_count(device.index or 0))
-        balanced = balanced and chunk >= min_queries * G
-    else:
-        chunk = triton.cdiv(seen[0], 3)
-    if window > 0 or not balanced:
-        nsplit = _num_splits(tq, tiles * bh, window, device)
-        return nsplit, 0, nsplit * tiles * bh
-    chunk = triton.cdiv(max(chunk, 1), rows) * rows
+    chunk = triton.cdiv(sum(seen) * bh, target)
+    if chunk < min_queries * G:
+        return None
+    chunk = triton.cdiv(chunk, rows) * rows
     counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
+    while cap and sum(counts) * bh > target and counts[0] > 1:
+        chunk += rows
+        counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
     return max(counts), chunk, sum(counts) * bh
 
 
@@ -316,7 +342,7 @@ def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | No
         rows, bk, kw, tma = _launch("band_dkdv", G, dmax, window > 0, q, c)
         splits = _split_plan(tq, S, bk, rows, G, kstride, koff, window, B * HKV, q.device,
                              bool(c.get("balanced", False)), int(c.get("split_per_sm", 4)),
-                             int(c.get("balanced_min_queries", 1024)))
+                             int(c.get("balanced_min_queries", 1024)), bool(c.get("balanced_cap", False)))
         return rows, bk, kw, tma, splits
 
     rows, bk, kw, tma, splits = plan(c)

@@ -36,9 +36,11 @@ TUNED: dict[tuple, dict] = {
     # The compressed dK/dV's balanced splits (attempt 109, band_bwd._split_plan: only where each split walks >= 1024
     # queries, i.e. from ~32k-64k on) for the three measured keys; H100, the kernel with its partial sums
     # (ab_band_dkdv_s35b_*): 1b 64k 5.27 -> 4.42 ms, m7c 32k 0.797 -> 0.690, qwen7b 32k 3.81 -> 3.09, paper 32k 5.91 ->
-    # 5.71; the m7c 32k step replayed from its graph 103.32 -> 102.81 ms (+0.5 %).
+    # 5.71; the m7c 32k step replayed from its graph 103.32 -> 102.81 ms (+0.5 %). With the grid capped at 4 programs
+    # per SM (balanced_cap, attempt 110, ab_band_dkdv_s35c_*): 1b 64k 4.37, m7c 32k 0.635, paper 32k 5.38; not for
+    # qwen7b (3.71 with it).
     ("band_dkdv", 16, 128, False): dict(rows=64, BK=128, num_warps=8, num_stages=3, split=False, keys_rows=True,
-                                        balanced=True,
+                                        balanced=True, balanced_cap=True,
                                         few_tiles=dict(rows=64, BK=64, num_warps=4, num_stages=3, keys_rows=False)),
     ("band_dkdv", 8, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=2, split=False, balanced=True),
     ("band_dkdv", 16, 128, True): dict(rows=64, BK=128, num_warps=8, num_stages=3, keys_rows=True,
@@ -65,7 +67,8 @@ TUNED: dict[tuple, dict] = {
     ("band_fwd", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dq", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     ("band_dq", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
-    ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3, balanced=True),  # attempt 109
+    ("band_dkdv", 8, 64, False): dict(rows=64, BK=64, num_warps=4, num_stages=3, balanced=True,  # attempts 109-110
+                                      balanced_cap=True),
     ("band_dkdv", 8, 64, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     # Selected dK/dV (selected_bwd.py) for groups of <= 8 heads: 64 rows / 4 warps, H100 whole selected backward
     # at 8k / 32k: m7c 1.12 -> 1.06 / 3.84 -> 3.50 ms, qwen7b 2.76 -> 2.56 / 14.68 -> 14.13. m7c with 3 stages since
