@@ -291,16 +291,11 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
     are combine.balanced_splits' (the kernels compute them again, per program). On the CPU (the interpreter) three
     splits for the first tile, whatever the length."""
     tiles = triton.cdiv(S, bk)
-    if window == 0 and balanced and device.type == "cuda":
-        plan = _balanced_plan(tq, tiles, bk, rows, G, kstride, koff, bh, per_sm * sm_count(device.index or 0),
-                              min_queries, cap)
+    if window == 0 and balanced:
+        target = per_sm * sm_count(device.index or 0) if device.type == "cuda" else 0
+        plan = _balanced_plan(tq, tiles, bk, rows, G, kstride, koff, bh, target, min_queries, cap)
         if plan is not None:
             return plan
-    elif window == 0 and balanced:
-        seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]
-        chunk = triton.cdiv(max(triton.cdiv(seen[0], 3), 1), rows) * rows
-        counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
-        return max(counts), chunk, sum(counts) * bh
     nsplit = _num_splits(tq, tiles * bh, window, device)
     return nsplit, 0, nsplit * tiles * bh
 
@@ -308,7 +303,8 @@ def _split_plan(tq: int, S: int, bk: int, rows: int, G: int, kstride: int, koff:
 @functools.lru_cache(maxsize=256)
 def _balanced_plan(tq: int, tiles: int, bk: int, rows: int, G: int, kstride: int, koff: int, bh: int, target: int,
                    min_queries: int, cap: bool) -> tuple[int, int, int] | None:
-    """_split_plan's balanced grid on a GPU, or None where its chunk is shorter than min_queries queries. ``cap``
+    """_split_plan's balanced grid for ``target`` programs, or None where its chunk is shorter than min_queries
+    queries; target 0 (the interpreter): three splits for the first tile, whatever the length. ``cap``
     (launch option ``balanced_cap``): the chunk grows by row tiles until the programs fit ``target`` (per_sm x SMs).
     Rounding every tile's count up adds up to a program per tile, and where one program runs per SM (the G 16 key's
     128-key tiles) a grid a few programs over whole waves ends with a wave of full-length ones (the 1b at 32k: 535
@@ -317,12 +313,15 @@ def _balanced_plan(tq: int, tiles: int, bk: int, rows: int, G: int, kstride: int
     add_splits' change), but qwen7b's 32k fell from 1.23x to 1.02x (its longest program 12 % longer, 576 -> 528
     programs where more than one runs per SM): on in TUNED per key, as measured."""
     seen = [max(tq - (n * bk * kstride + koff), 0) * G for n in range(tiles)]  # packed rows that see each tile
-    chunk = triton.cdiv(sum(seen) * bh, target)
-    if chunk < min_queries * G:
-        return None
-    chunk = triton.cdiv(chunk, rows) * rows
+    if target:
+        chunk = triton.cdiv(sum(seen) * bh, target)
+        if chunk < min_queries * G:
+            return None
+    else:
+        chunk = triton.cdiv(seen[0], 3)
+    chunk = triton.cdiv(max(chunk, 1), rows) * rows
     counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
-    while cap and sum(counts) * bh > target and counts[0] > 1:
+    while cap and target and sum(counts) * bh > target and counts[0] > 1:
         chunk += rows
         counts = [max(1, triton.cdiv(x, chunk)) for x in seen]
     return max(counts), chunk, sum(counts) * bh
