@@ -388,10 +388,15 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     # One split (the window branch): the kernel rounds dK / dV into the outputs itself (contiguous [B, S, HKV, D] is
     # the partials' layout with NSPLIT = 1), not into fp32 partials that a cast copies afterwards.
     direct = dkv_acc is None and nsplit == 1
+
+    def outputs() -> tuple:  # dkv_out where a kernel can write it in place, else new tensors
+        if dkv_out is not None and all(x.is_contiguous() for x in dkv_out):
+            return dkv_out
+        return (torch.empty(B, S, HKV, DK, device=q.device, dtype=k.dtype),
+                torch.empty(B, S, HKV, DV, device=q.device, dtype=v.dtype))
+
     if direct:
-        outs = dkv_out if dkv_out is not None and all(x.is_contiguous() for x in dkv_out) else None
-        dk, dv = outs if outs is not None else (torch.empty(B, S, HKV, DK, device=q.device, dtype=k.dtype),
-                                                torch.empty(B, S, HKV, DV, device=q.device, dtype=v.dtype))
+        dk, dv = outputs()
         dkp, dvp = dk.unsqueeze(0), dv.unsqueeze(0)
     else:
         dkp = torch.empty(nsplit, B, S, HKV, DK, device=q.device, dtype=torch.float32)
@@ -409,9 +414,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         add_splits(dvp, dv, balanced=balanced)
         return dq, dk, dv
     if not direct and balanced:  # one pass over the written slots, rounded into the outputs
-        outs = dkv_out if dkv_out is not None and all(x.is_contiguous() for x in dkv_out) else None
-        dk, dv = outs if outs is not None else (torch.empty(B, S, HKV, DK, device=q.device, dtype=k.dtype),
-                                                torch.empty(B, S, HKV, DV, device=q.device, dtype=v.dtype))
+        dk, dv = outputs()
         add_splits(dkp, dk, acc=False, balanced=balanced)
         add_splits(dvp, dv, acc=False, balanced=balanced)
     elif not direct:

@@ -178,22 +178,14 @@ def _add_splits(P, X, N, S, T, HKV, NSPLIT, CHUNK, TQ, KSTRIDE, KOFF, G, D: tl.c
     used = r * 0 + NSPLIT
     if CHUNK > 0:
         used = balanced_splits(((r // HKV) % S) // BK, TQ, BK, KSTRIDE, KOFF, G, CHUNK)  # the row's key tile's
-    # Four slots per step, loaded together and added in split order: the same sums as one slot per step, with a
-    # quarter of the dependent load latencies (the compressed keys' S is small, so these programs are few and each
-    # walks up to ~64 slots: at the 1b's 32k one at a time was estimated at ~0.1 ms, NOTES_kernels.md attempt 110).
+    # Four slots per step, unrolled (their loads do not wait on acc) and added in split order: the same sums as one
+    # slot per step, with a quarter of the dependent load latencies (the compressed keys' S is small, so these programs
+    # are few and each walks up to ~64 slots: at the 1b's 32k one at a time was estimated at ~0.1 ms, NOTES_kernels.md
+    # attempt 110).
     for sp in range(0, NSPLIT, 4):
-        a0 = tl.load(P + ((sp * N + r).to(tl.int64) * D)[:, None] + d[None, :], mask=m & (sp < used)[:, None],
-                     other=0.0)
-        a1 = tl.load(P + (((sp + 1) * N + r).to(tl.int64) * D)[:, None] + d[None, :],
-                     mask=m & (sp + 1 < used)[:, None], other=0.0)
-        a2 = tl.load(P + (((sp + 2) * N + r).to(tl.int64) * D)[:, None] + d[None, :],
-                     mask=m & (sp + 2 < used)[:, None], other=0.0)
-        a3 = tl.load(P + (((sp + 3) * N + r).to(tl.int64) * D)[:, None] + d[None, :],
-                     mask=m & (sp + 3 < used)[:, None], other=0.0)
-        acc += a0
-        acc += a1
-        acc += a2
-        acc += a3
+        for j in tl.static_range(4):
+            acc += tl.load(P + (((sp + j) * N + r).to(tl.int64) * D)[:, None] + d[None, :],
+                           mask=m & (sp + j < used)[:, None], other=0.0)
     tl.store(x_ptr, acc.to(X.dtype.element_ty), mask=m)
 
 
