@@ -127,33 +127,41 @@ def _direct_path_check(device):
 
 def _dq_buffer_check(device):
     """The model's dq_buffer_gib reaches the backward through the custom ops: with the default budget the selected
-    branch's dQ comes from the stored dS, with a 1-byte budget it is recomputed; the gradients agree (two paths,
-    fp32 rounding only)."""
+    branch's dQ comes from the stored dS (both KV heads' at once), with a budget of one KV head's dS from dS stored
+    one KV head at a time (attempt 111: the same dS, so the same dQ to the bit), with a 1-byte budget it is
+    recomputed; the gradients agree (two paths, fp32 rounding only)."""
     import torch
 
     from nsa_titan.kernels import nsa_attention, selected_bwd
 
     p, (*xs, gates) = _small_inputs(device, seed=5)
+    q, k_slc = xs[0], xs[3]
+    G = q.shape[2] // k_slc.shape[2]
+    one_head = q.shape[1] * G * p.slc_top_n * p.slc_block * q.element_size()  # one (batch, KV head)'s dS bytes
     algos, cfg = [], selected_bwd._cfg
 
     def spy(kernel, *a):
         c = cfg(kernel, *a)
         if kernel == "sel_dq":
-            algos.append(c.get("algo", "recompute"))
+            algos.append((c.get("algo", "recompute"), c.get("ds_chunk")))
         return c
 
     grads = []
     selected_bwd._cfg = spy
     try:
-        for budget in ({}, {"dq_buffer_bytes": 1}):
+        for budget in ({}, {"dq_buffer_bytes": one_head}, {"dq_buffer_bytes": 1}):
             ins = [x.detach().requires_grad_(True) for x in (*xs, gates)]
             out, _ = nsa_attention(*ins, p, causal_prefix=0, **budget)
             out.backward(torch.ones_like(out))
             grads.append([x.grad for x in ins])
     finally:
         selected_bwd._cfg = cfg
-    worst = max(rel_err(a, b) for a, b in zip(*grads))
-    return {"ok": algos == ["ds", "recompute"] and worst < 1e-5, "algos": algos, "worst": worst}
+    worst = max(rel_err(a, b) for a, b in zip(grads[0], grads[2]))
+    chunked_dq_equal = torch.equal(grads[0][0], grads[1][0])
+    chunked_worst = max(rel_err(a, b) for a, b in zip(grads[0], grads[1]))
+    want = [("ds", 2), ("ds", 1), ("recompute", None)]
+    return {"ok": algos == want and worst < 1e-5 and chunked_dq_equal and chunked_worst < 1e-5, "algos": algos,
+            "worst": worst, "chunked_dq_equal": chunked_dq_equal, "chunked_worst": chunked_worst}
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),

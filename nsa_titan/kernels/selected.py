@@ -63,10 +63,11 @@ def _softmax_step(q, k, v, kmask, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def token_heads(G, HKV, GR: tl.constexpr):
+def token_heads(G, HKV, GR: tl.constexpr, BH0=0):
     """The one-token programs' (token_group's walks, selected_dq._sel_bwd_dq_ds) rows: token t = program 0 of one
-    (batch, KV head), its G query heads as GR rows. -> (t, b, kv, g, row_ok: g < G, h: the query heads)."""
-    t, pid_bh = tl.program_id(0), tl.program_id(1)
+    (batch, KV head) (BH0 + program 1: a launch over some of them), its G query heads as GR rows. -> (t, b, kv, g,
+    row_ok: g < G, h: the query heads)."""
+    t, pid_bh = tl.program_id(0), tl.program_id(1) + BH0
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     g = tl.arange(0, GR)
     return t, b, kv, g, g < G, kv * G + g
@@ -137,11 +138,11 @@ def _union_block(q, K, V, blk, tok, s_min, live, b, kv, skb, sks, skh, svb, svs,
 
 
 @triton.jit
-def token_rows(T, G, HKV, NT: tl.constexpr, GR: tl.constexpr):
+def token_rows(T, G, HKV, NT: tl.constexpr, GR: tl.constexpr, BH0=0):
     """The multi-token kernels' program (forward, dQ): NT neighbouring tokens t0 = NT * program .. of one (batch,
-    KV head), each token's G heads as GR rows of one [NT GR, D] tile. -> (b, kv, t0, u: each row's token in the
-    group, tok: its position, g: its head in the group, row_ok: a real head of a token before T)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    KV head) (BH0 + program 1), each token's G heads as GR rows of one [NT GR, D] tile. -> (b, kv, t0, u: each row's
+    token in the group, tok: its position, g: its head in the group, row_ok: a real head of a token before T)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1) + BH0
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     t0 = NT * pid
     rr = tl.arange(0, NT * GR)
@@ -249,9 +250,10 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     per program over their blocks' union, this file) or 'blocks' (selected_blocks.py);
     for dQ 'partials' (the dK/dV walk stores each pair's dQ over its block, in the inputs' dtype or with
     partial_bits=32 in fp32, and a sum kernel adds them per token in fp32: for small groups whose head dim is at
-    most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when the dS buffer
-    fits DS_BUDGET) or 'recompute' (dQ recomputes QK^T and dO V^T per token). ``budget``: those buffers' limit in
-    bytes instead of DS_BUDGET (the model's dq_buffer_gib). ``i32_rows`` (on unless a cfg or TUNED turns it off):
+    most l', when that buffer fits DS_BUDGET), 'ds' (the dK/dV walk stores dS, dQ = dS K: when one (batch, KV
+    head) pair's dS fits DS_BUDGET; ``ds_chunk`` pairs at a time, all of them where the whole buffer fits) or
+    'recompute' (dQ recomputes QK^T and dO V^T per token). ``budget``: those buffers' limit in bytes instead of
+    DS_BUDGET (the model's dq_buffer_gib). ``i32_rows`` (on unless a cfg or TUNED turns it off):
     the block forward and the dK/dV walk do their row arithmetic in 32 bits from each batch's bases where one batch
     of every buffer has < 2^31 elements (attempt 95; benchmarks/loop_instructions.py counts what it saves).
 
@@ -284,8 +286,13 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     if kernel == "sel_dq":
         budget = DS_BUDGET if budget is None else budget
         per_value = q.shape[0] * q.shape[1] * q.shape[2] * n  # (token, head, slot) triples
-        if per_value * lp * q.element_size() <= budget:
-            c.update(algo="ds")
+        bh = q.shape[0] * v.shape[2]  # (batch, KV head) pairs
+        per_bh = per_value // bh * lp * q.element_size()  # one pair's dS bytes
+        if per_bh <= budget:
+            # dS in chunks of whole (batch, KV head) pairs where all of it does not fit (attempt 111): the walk and
+            # dQ run per chunk over one reused buffer. H100, the paper config's attention at 64k (4 KV heads, 8 GiB
+            # of dS): 116-118 ms recomputing, 111-112 with all of the dS stored; qwen7b at 64k 70-72 -> 63 ms.
+            c.update(algo="ds", ds_chunk=min(bh, budget // per_bh))
         partials_bytes = per_value * q.shape[-1] * q.element_size()
         if q.device.type == "cuda" and pow2(G) <= 8 and q.shape[-1] <= lp and partials_bytes <= budget:
             # dQ partials in the inputs' dtype: dS's bytes at head dim = l' (m7c); no K re-read through L2. H100,
@@ -314,6 +321,9 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     if c.get("algo") is not None and c["algo"] not in ALGOS.get(kernel, ()):
         hint = " (the forward's 'pairs' is algo='tokens' with NT=2 since attempt 79)" if kernel == "sel_fwd" else ""
         raise ValueError(f"{kernel} cfg algo={c['algo']!r}: not one of {ALGOS.get(kernel, ())}{hint}")
+    if kernel == "sel_dq" and not (isinstance(c.get("ds_chunk", 1), int) and c.get("ds_chunk", 1) >= 1):
+        raise ValueError(f"sel_dq cfg ds_chunk={c['ds_chunk']!r}: the (batch, KV head) pairs per stored-dS chunk "
+                         "must be an int >= 1 (leave it out for the budget's choice)")
     if kernel == "sel_dq" and c.get("pairs"):
         raise ValueError("sel_dq cfg pairs=True: the pair dQ kernels (attempts 77/78) were removed after attempt 80; "
                          "use NT=2 or NT=4 (the multi-token kernels selected_dq._sel_bwd_dq_tokens / "

@@ -101,7 +101,8 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
-                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, I32: tl.constexpr = False):
+                  STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, I32: tl.constexpr = False,
+                  BH0=0, DSOFF=0):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     pair_sort.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -113,8 +114,11 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     unused): GS = G packs them exactly, GS = next_pow2(G) pads each group (fewer registers: see _cfg).
     MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop).
     I32 (launch option i32_rows, when every buffer's part of one batch has < 2^31 elements): the walk's row and
-    address arithmetic in 32 bits from batch b's bases, and the pair keys decoded unsigned (sel_bwd_parts)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    address arithmetic in 32 bits from batch b's bases, and the pair keys decoded unsigned (sel_bwd_parts).
+    BH0, DSOFF (dS in chunks of (batch, KV head) pairs, sel_bwd_parts' ds_chunk): this launch's programs are the pairs
+    BH0 + program_id(1), and DSB holds their dS only, from the pair BH0 (its element DSOFF of the whole buffer)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1) + BH0
+    DSB = DSB - DSOFF  # the whole buffer's addressing below: only this chunk's part is ever written
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
     live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs, no stores
@@ -254,7 +258,11 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     rows = max(lc["rows"], pow2(G))
     gs = G if lc.get("exact_rows", True) else pow2(G)
     bt = rows // gs  # pairs per step, each one's heads as gs rows
-    ch = bt * _chunk_tiles(B * HKV * T * n, bt, q.device, lc)
+    # dS in chunks of (batch, KV head) pairs where the whole buffer exceeds the budget (selected._cfg's ds_chunk):
+    # each chunk's walk, then its dQ, over one buffer of chunk size.
+    bh = B * HKV
+    per_chunk = min(bh, lq.get("ds_chunk") or bh) if algo == "ds" else bh
+    ch = bt * _chunk_tiles(per_chunk * T * n, bt, q.device, lc)  # each launch's programs fill the GPU
     keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
     # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
     # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice.
@@ -264,42 +272,50 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
     pk = torch.empty(B * HKV, nps, bs, dkp, device=q.device, dtype=torch.float32)
     pv = torch.empty(B * HKV, nps, bs, dvp, device=q.device, dtype=torch.float32)
-    dsb = q.new_empty(B, HKV, T, n, G, slc_block) if algo == "ds" else pk  # pk: never written without STORE_DS
+    dsb = q.new_empty(per_chunk, T, n, G, slc_block) if algo == "ds" else pk  # pk: never written without STORE_DS
     dqp = pk  # never written without STORE_DQ
     if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
         dqp = torch.empty(B, T, HKV, n, G, DK, device=q.device,
                           dtype=torch.float32 if lq.get("partial_bits", 32) == 32 else q.dtype)
-    run(_sel_bwd_dkdv, (prog.shape[1], B * HKV),
-        q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G, HKV,
-        prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds",
-        STORE_DQ=algo == "partials", DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
-        I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
-        num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+    walk = dict(BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds", STORE_DQ=algo == "partials",
+                DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
+                I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
+                num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+    for bh0 in range(0, bh, per_chunk):  # one pass unless dS is chunked; a static count, no host sync
+        nbh, dsoff = min(per_chunk, bh - bh0), bh0 * T * n * G * slc_block  # dsoff: the chunk's first dS element
+        run(_sel_bwd_dkdv, (prog.shape[1], nbh),
+            q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
+            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BH0=bh0, DSOFF=dsoff, **walk)
+        if algo == "ds":
+            _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff)
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     run(_sel_bwd_reduce, (nb, B * HKV, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs,
         RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
-    if algo == "ds":
-        gr = max(16, pow2(G))
-        # Descriptors where a slot's dS rows are l' = BS wide: a [GR, l'] box from the slot's first row. With G < GR
-        # its last GR - G rows are the next slots' (or zeros past the buffer): they only reach dQ rows that are
-        # never stored. K's box is kv_specs' (V is not read here).
-        specs = {0: (k, list(k.shape), list(k.stride()), [1, bs, 1, k.shape[-1]]),
-                 1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
-        consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=dq_acc is not None,
-                      num_warps=lq["num_warps"], num_stages=lq["num_stages"])
-        if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
-            launch_tma(_sel_bwd_dq_ds_tokens, (triton.cdiv(T, lq["NT"]), B * HKV),
-                       (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5), {0: specs[0]},
-                       lq["tma"] and bs == slc_block,
-                       dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
-        else:
-            launch_tma(_sel_bwd_dq_ds, (T, B * HKV), (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5),
-                       specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))
-    elif algo == "partials":
+    if algo == "partials":
         if not sum_dq:
             return dq, dk, dv, (dqp, block_idx)
         sel_dq_sum(dqp, block_idx, dq, DK**-0.5, acc=dq_acc is not None)
     return dq, dk, dv, None
+
+
+def _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, acc, bh0, nbh, dsoff):
+    """dQ = dS K for the (batch, KV head) pairs bh0 .. bh0 + nbh - 1, whose dS dsb holds (from element dsoff of
+    the whole [B, HKV, T, n, G, l'] buffer)."""
+    T, HKV, DK = block_idx.shape[2], k.shape[2], k.shape[-1]
+    gr = max(16, pow2(G))
+    # Descriptors where a slot's dS rows are l' = BS wide: a [GR, l'] box from the slot's first row. With G < GR
+    # its last GR - G rows are the next slots' (or zeros past the buffer): they only reach dQ rows that are
+    # never stored. K's box is kv_specs' (V is not read here).
+    specs = {0: (k, list(k.shape), list(k.stride()), [1, bs, 1, DK]),
+             1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
+    consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=acc, BH0=bh0, DSOFF=dsoff,
+                  num_warps=lq["num_warps"], num_stages=lq["num_stages"])
+    args = (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5)
+    if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)
+        launch_tma(_sel_bwd_dq_ds_tokens, (triton.cdiv(T, lq["NT"]), nbh), args, {0: specs[0]},
+                   lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
+    else:
+        launch_tma(_sel_bwd_dq_ds, (T, nbh), args, specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))
 
 
 def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:

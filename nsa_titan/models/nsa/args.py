@@ -69,9 +69,10 @@ class NSAModelArgs:
     """Triton kernels only: the most transient memory (GiB) one attention layer's backward may hold so that the
     selected branch's dQ is one matmul from stored values (its dS, B*T*HQ*n*l'*2 bytes: 2 GiB for the 1b at 64k
     tokens per step, 4 GiB for the paper config at 32k; or, for groups of <= 8 heads at head dim <= l', per-slot
-    dQ partials of the same size) instead of recomputing the scores per token. Larger is faster where it makes
-    the buffer fit (H100, paper config 32k batch 2, the whole selected backward: 26.6 ms stored vs 31.9 ms
-    recomputed); smaller saves that memory at the backward's peak."""
+    dQ partials of the same size) instead of recomputing the scores per token. Where all of the dS does not fit,
+    it is stored for as many (batch, KV head) pairs at a time as fit (T*G*n*l'*2 bytes each), and recomputed only
+    where one pair's exceeds this (H100, paper config attention fwd+bwd at 64k: 119.6 ms recomputed, 113.4 in
+    chunks of one KV head; qwen7b 64k 71.6 -> 63.1). Smaller saves that memory at the backward's peak."""
 
     @property
     def n_rep(self) -> int:
