@@ -102,7 +102,7 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
                   STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, I32: tl.constexpr = False,
-                  BH0=0, DSOFF=0):
+                  CHUNKED: tl.constexpr = False, BH0=0, DSOFF=0):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     pair_sort.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -115,10 +115,14 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop).
     I32 (launch option i32_rows, when every buffer's part of one batch has < 2^31 elements): the walk's row and
     address arithmetic in 32 bits from batch b's bases, and the pair keys decoded unsigned (sel_bwd_parts).
-    BH0, DSOFF (dS in chunks of (batch, KV head) pairs, sel_bwd_parts' ds_chunk): this launch's programs are the pairs
-    BH0 + program_id(1), and DSB holds their dS only, from the pair BH0 (its element DSOFF of the whole buffer)."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1) + BH0
-    DSB = DSB - DSOFF  # the whole buffer's addressing below: only this chunk's part is ever written
+    CHUNKED (dS in chunks of (batch, KV head) pairs, sel_bwd_parts' ds_chunk): this launch's programs are the pairs
+    BH0 + program_id(1), and DSB holds their dS only, from the pair BH0 (its element DSOFF of the whole buffer).
+    A constexpr, so that the one-launch kernels stay as they were (offline sm_90, the 1b's walk: 600 -> 712 bytes
+    of spills with the two offsets always applied)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    if CHUNKED:
+        pid_bh += BH0
+        DSB = DSB - DSOFF  # the whole buffer's addressing below: only this chunk's part is ever written
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
     live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs, no stores
@@ -285,9 +289,11 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
         nbh, dsoff = min(per_chunk, bh - bh0), bh0 * T * n * G * slc_block  # dsoff: the chunk's first dS element
         run(_sel_bwd_dkdv, (prog.shape[1], nbh),
             q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, BH0=bh0, DSOFF=dsoff, **walk)
+            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, CHUNKED=per_chunk < bh, BH0=bh0, DSOFF=dsoff,
+            **walk)
         if algo == "ds":
-            _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff)
+            _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff,
+                        per_chunk < bh)
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     run(_sel_bwd_reduce, (nb, B * HKV, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs,
         RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
@@ -298,7 +304,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     return dq, dk, dv, None
 
 
-def _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, acc, bh0, nbh, dsoff):
+def _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, acc, bh0, nbh, dsoff, chunked):
     """dQ = dS K for the (batch, KV head) pairs bh0 .. bh0 + nbh - 1, whose dS dsb holds (from element dsoff of
     the whole [B, HKV, T, n, G, l'] buffer)."""
     T, HKV, DK = block_idx.shape[2], k.shape[2], k.shape[-1]
@@ -308,7 +314,7 @@ def _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, acc, bh0, n
     # never stored. K's box is kv_specs' (V is not read here).
     specs = {0: (k, list(k.shape), list(k.stride()), [1, bs, 1, DK]),
              1: (dsb, [dsb.numel() // slc_block, slc_block], [slc_block, 1], [gr, slc_block])}
-    consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=acc, BH0=bh0, DSOFF=dsoff,
+    consts = dict(LP=slc_block, BS=bs, NSEL=n, GR=gr, DK=DK, DKP=dkp, ACC=acc, CHUNKED=chunked, BH0=bh0, DSOFF=dsoff,
                   num_warps=lq["num_warps"], num_stages=lq["num_stages"])
     args = (k, dsb, block_idx, dq, *k.stride()[:3], T, G, HKV, DK**-0.5)
     if lq.get("NT", 1) > 1:  # NT neighbouring tokens per program as one tile (attempt 80)

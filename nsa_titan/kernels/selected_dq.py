@@ -83,13 +83,16 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, IDX, DQ, DS, sqb, sqt, sqh, skb, sks, s
 @triton.jit
 def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                    NSEL: tl.constexpr, NPI: tl.constexpr, GR: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                   ACC: tl.constexpr, TMA: tl.constexpr, BH0=0, DSOFF=0):
+                   ACC: tl.constexpr, TMA: tl.constexpr, CHUNKED: tl.constexpr = False, BH0=0, DSOFF=0):
     """dQ = sum over the token's selected blocks of dS K, from the dS that _sel_bwd_dkdv stored: one matmul per
     block instead of three (no QK^T, no dO V^T) and K alone read through L2 (not K and V). Same layout and
     ACC flag as _sel_bwd_dq. TMA: K is a [B, S, HKV, D] descriptor with [1, BS, 1, D] boxes and DSB a
     [pairs * G, l'] descriptor with [GR, l'] boxes (BS = l'; rows past G belong to the next slots and only reach dQ
-    rows that are not stored); one block per MMA. BH0, DSOFF: as _sel_bwd_dkdv's (DSB from the pair BH0 on)."""
-    t, b, kv, g, row_ok, h = token_heads(G, HKV, GR, BH0)
+    rows that are not stored); one block per MMA. CHUNKED, BH0, DSOFF: as _sel_bwd_dkdv's (DSB from the pair BH0 on)."""
+    bh0, dsoff = 0, 0
+    if CHUNKED:
+        bh0, dsoff = BH0, DSOFF
+    t, b, kv, g, row_ok, h = token_heads(G, HKV, GR, bh0)
     dk = tl.arange(0, DKP)
     dq = tl.zeros([GR, DKP], tl.float32)
     pair0 = ((b * HKV + kv) * T + t) * NSEL
@@ -103,7 +106,7 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
                 # wrote: zeroed here. Keys past t (or T) have dS = 0 as written by the walk.
                 blk = tl.load(IDX + pair0 + n0 + j, mask=n0 + j < NSEL, other=-1).to(tl.int32)
                 k = K.load([b.to(tl.int32), blk * LP, kv, 0]).reshape(BS, DKP)
-                ds = DSB.load([((pair0 + n0 + j) * G - DSOFF // LP).to(tl.int32), 0])
+                ds = DSB.load([((pair0 + n0 + j) * G - dsoff // LP).to(tl.int32), 0])
                 dq += tl.dot(tl.where(blk >= 0, ds, 0.0).to(k.dtype), k)
         else:
             slot = n0 + c // BS
@@ -113,7 +116,7 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
             kmask = (c % BS < LP) & (blk >= 0) & (s_pos <= t)
             k = tl.load(K + b * skb + s_pos[:, None] * sks + kv * skh + dk[None, :],
                         mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-            ds = tl.load(DSB - DSOFF + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
+            ds = tl.load(DSB - dsoff + ((pair0 + slot[None, :]) * G + g[:, None]) * LP + (c % BS)[None, :],
                          mask=row_ok[:, None] & kmask[None, :], other=0.0)
             dq += tl.dot(ds, k)
     _store_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, G, HKV, DK, ACC)
@@ -122,16 +125,19 @@ def _sel_bwd_dq_ds(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.c
 @triton.jit
 def _sel_bwd_dq_ds_tokens(K, DSB, IDX, DQ, skb, sks, skh, T, G, HKV, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                           NSEL: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr, GR: tl.constexpr,
-                          DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, BH0=0,
-                          DSOFF=0):
+                          DK: tl.constexpr, DKP: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr,
+                          CHUNKED: tl.constexpr = False, BH0=0, DSOFF=0):
     """_sel_bwd_dq_ds for NT neighbouring tokens t0 = NT * program .. t0 + NT - 1 as the row groups of one
     [NT GR, D] dQ tile (attempt 80; at G 16 and NT 4 one warpgroup's 64 MMA rows), over the union of their blocks
     (selected.union_walk, the forward's order): each union block's K tile is loaded once and multiplied by the
     [NT GR, l'] dS of the tokens that chose it (each row from its token's own slot of that block; zeros for the
-    others) in one MMA. Rounding differs from _sel_bwd_dq_ds only in the order of a token's blocks. BH0, DSOFF: as
-    _sel_bwd_dkdv's."""
-    b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR, BH0)
-    DSB = DSB - DSOFF
+    others) in one MMA. Rounding differs from _sel_bwd_dq_ds only in the order of a token's blocks. CHUNKED, BH0,
+    DSOFF: as _sel_bwd_dkdv's."""
+    bh0 = 0
+    if CHUNKED:
+        bh0 = BH0
+        DSB = DSB - DSOFF
+    b, kv, t0, u, tok, g, row_ok = token_rows(T, G, HKV, NT, GR, bh0)
     dk, c, j = tl.arange(0, DKP), tl.arange(0, BS), tl.arange(0, NP)
     pair0 = ((b * HKV + kv) * T + t0) * NSEL  # token u's slot s is the (token, slot) pair pair0 + u * NSEL + s
     # every row's token's block list [NT GR, NP] (-1: unused, or a token past T), to find a block's slot per row
