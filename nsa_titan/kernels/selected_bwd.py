@@ -266,6 +266,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     # each chunk's walk, then its dQ, over one buffer of chunk size.
     bh = B * HKV
     per_chunk = min(bh, lq.get("ds_chunk") or bh) if algo == "ds" else bh
+    chunked = per_chunk < bh  # the kernels' CHUNKED: their launches cover part of the pairs
     ch = bt * _chunk_tiles(per_chunk * T * n, bt, q.device, lc)  # each launch's programs fill the GPU
     keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
     # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
@@ -289,11 +290,11 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
         nbh, dsoff = min(per_chunk, bh - bh0), bh0 * T * n * G * slc_block  # dsoff: the chunk's first dS element
         run(_sel_bwd_dkdv, (prog.shape[1], nbh),
             q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, CHUNKED=per_chunk < bh, BH0=bh0, DSOFF=dsoff,
+            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, CHUNKED=chunked, BH0=bh0, DSOFF=dsoff,
             **walk)
         if algo == "ds":
             _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff,
-                        per_chunk < bh)
+                        chunked)
     rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     run(_sel_bwd_reduce, (nb, B * HKV, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs,
         RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
