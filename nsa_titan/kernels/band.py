@@ -232,6 +232,16 @@ def launch_cfg(kernel: str, gp: int, dmax: int, windowed: bool, cuda: bool) -> d
     return cfg
 
 
+def many_keys_shape(c: dict, n_keys: int) -> dict | None:
+    """The launch shape a table entry ``c`` names for a walk over ``n_keys`` keys: its ``many_keys`` shape from
+    ``many_keys["from_keys"]`` keys on, else None (the entry itself). band_fwd reads it for its keys, band_dq2 for
+    its second branch's."""
+    many = c.get("many_keys")
+    if many is None or n_keys < many["from_keys"]:
+        return None
+    return {k: v for k, v in many.items() if k != "from_keys"}
+
+
 def _launch(kernel: str, G: int, dmax: int, windowed: bool, x: torch.Tensor, cfg: dict | None):
     """-> (ROWS, BK, triton launch kwargs, tma). An explicit cfg (a sweep) overrides everything; its ``split``
     (default True) turns the mask-free interior tiles on or off (off: every tile masked, for A/B runs), its
@@ -263,6 +273,8 @@ def band_fwd(q, k, v, kstride: int, koff: int, window: int, cfg: dict | None = N
     tq = T if n_queries is None else n_queries
     o, lse = out if out is not None else (q.new_empty(B, T, HQ, DV),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
+    if not cfg:  # a long key walk (the compressed branch from ~48k tokens) may want its own tiles: tuned.py
+        cfg = many_keys_shape(launch_cfg("band_fwd", pow2(G), max(DK, DV), window > 0, q.is_cuda), S)
     rows, bk, kw, tma = _launch("band_fwd", G, max(DK, DV), window > 0, q, cfg)
     args = (q, k, v, o, lse, lse if doc_start is None else doc_start, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *o.stride()[:3], T, tq, S, HKV, DK**-0.5 * LOG2E)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_titan.kernels.band import LOG2E, _launch, launch_cfg
+from nsa_titan.kernels.band import LOG2E, _launch, launch_cfg, many_keys_shape
 from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import used_slots
@@ -99,15 +99,6 @@ def band_dq2(do, q, first: tuple, second: tuple, dq_acc, doc_start=None, cfg: di
                dict(ROWS=rows, BK=bk, BK2=bk, **dims, ACC=acc, NSEL=nsel, SG=sg,
                     PSUM=dq_partials is not None, **kw))
     return dq_acc
-
-
-def many_keys_shape(c: dict, n_keys: int) -> dict | None:
-    """The launch shape a band_dq2 table entry ``c`` names for a second branch of ``n_keys`` keys: its
-    ``many_keys`` shape from ``many_keys["from_keys"]`` keys on, else None (the entry itself)."""
-    many = c.get("many_keys")
-    if many is None or n_keys < many["from_keys"]:
-        return None
-    return {k: v for k, v in many.items() if k != "from_keys"}
 
 
 def dq2_enabled(G: int, dmax: int) -> bool:

@@ -313,7 +313,9 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     c["i32_rows"] = True
     tuned = TUNED.get((kernel, pow2(G), dmax, False), {})
     if kernel == "sel_dq" and {**c, **(cfg or {})}.get("algo") == "ds":  # dQ from stored dS: its own kernel, shape
-        tuned = {**tuned, **TUNED.get(("sel_dq_ds", pow2(G), dmax, False), {})}
+        ds_entry = dict(TUNED.get(("sel_dq_ds", pow2(G), dmax, False), {}))
+        chunked = ds_entry.pop("chunked", {})  # its shape where the dS is stored a chunk of pairs at a time
+        tuned = {**tuned, **ds_entry, **(chunked if c.get("ds_chunk", bh) < bh else {})}
     if q.device.type != "cuda":  # the interpreter keeps all n blocks per step, pointer loads (tests ask for tma)
         tuned = {k: v for k, v in tuned.items() if k not in ("NPI", "tma")}
     c.update(tuned)

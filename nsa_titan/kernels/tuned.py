@@ -14,7 +14,11 @@ from __future__ import annotations
 # backward, 8k / 32k, batch 1, before -> after (benchmarks/results/sweep_band_*.json).
 TUNED: dict[tuple, dict] = {
     # H200, paper config at T=65536: 12.05 -> 11.92 ms (compressed), 3.73 -> 3.27 ms (window).
-    ("band_fwd", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3),
+    # From 3,072 compressed keys (~48k tokens at d = 16) 128 rows with 2 stages (H100, paper config at 64k, 4,095
+    # keys: 9.75 / 9.45 ms for the entry's shape, 8.96 with this one, sweep_band_paper64k_s37_*; the 1b at 32k,
+    # 2,047 keys, was even: 1.213 / 1.211, sweep_band_fwddq_s15_*).
+    ("band_fwd", 16, 128, False): dict(rows=64, BK=64, num_warps=4, num_stages=3,
+                                       many_keys=dict(from_keys=3072, rows=128, BK=64, num_warps=4, num_stages=2)),
     ("band_fwd", 16, 128, True): dict(rows=64, BK=64, num_warps=4, num_stages=3),
     # Compressed dK/dV at head dim 128: the interior split is slower here (1b 0.38 -> 0.32 / 3.32 -> 2.77 ms
     # without it; qwen7b 0.59 -> 0.52 / 5.85 -> 5.18). Window dK/dV: 128 rows / 8 warps fit with 2 stages
@@ -181,7 +185,11 @@ TUNED: dict[tuple, dict] = {
     # (selected_dq._sel_bwd_dq_ds_tokens). Against the pairs: correlated queries (sweep_selected_dqtok_qc09_s20b_*)
     # 1b 8k 1.826 -> 1.716 ms, 32k 7.21 -> 6.82, paper 8k 6.85 -> 6.40, 32k 28.6 -> 26.8; random queries
     # (sweep_selected_dqtok_s20b_*) 1b 8k 1.604 -> 1.573, 32k 6.60 -> 6.61, paper 8k 6.46 -> 6.28, 32k 27.95 -> 27.91.
-    ("sel_dq_ds", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=3),
+    # ``chunked``: the shape where dS is stored in chunks of (batch, KV head) pairs (attempt 111: the paper config from
+    # 32k on). H100, paper 64k, whole selected backward (sweep_selected_paper64k_sel_s37_*): 27.71 ms with the
+    # entry's shape, 26.59 with two tokens per program at 2 warps / 3 stages.
+    ("sel_dq_ds", 16, 128, False): dict(tma=True, NT=4, num_warps=4, num_stages=3,
+                                        chunked=dict(NT=2, num_warps=2, num_stages=3)),
     # qwen7b (G 7: 16-row boxes that also read the next slots' rows, never stored), 8k: whole selected backward
     # batch 1 2.417 -> 2.128 ms, batch 2 4.688 -> 4.139 (sweep_selected_dsdq_tma_qwen_b{1,2}_s16_*); profiled with 2
     # blocks per step and 4 warps (ab_profile_dsdq_tma_qwen_s16_*): `_sel_bwd_dq_ds` 1.181 -> 0.902 ms at batch 1
