@@ -366,6 +366,61 @@ def test_band_dq2_takes_its_many_keys_shape_from_the_named_key_count():
     assert many_keys_shape(g16, 1023) is None and many_keys_shape(g16, 2047)["rows"] == 128
 
 
+def test_band_fwd_takes_its_many_keys_shape_only_without_an_explicit_cfg(monkeypatch):
+    """band_fwd reads its table entry's many_keys shape for its own key count (attempt 112: the paper's compressed
+    forward at 64k, 4,095 keys), the entry itself below the count, and a caller's cfg (a sweep) over both."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import band
+
+    many = dict(rows=128, BK=64, num_warps=4, num_stages=2)
+    monkeypatch.setattr(band, "launch_cfg", lambda *a: dict(rows=64, many_keys=dict(from_keys=96, **many)))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_launch(kernel, G, dmax, windowed, x, cfg):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(band, "_launch", fake_launch)
+    q = torch.zeros(1, 8, 2, 16)
+    for n_keys, cfg in ((96, None), (95, None), (96, dict(rows=16))):
+        k = torch.zeros(1, n_keys, 1, 16)
+        with pytest.raises(Stop):
+            band.band_fwd(q, k, k, 1, 0, 0, cfg=cfg)
+    assert seen == [many, None, dict(rows=16)]
+    # The adopted entry: the G 16 / head dim 128 compressed forward switches between 32k and 64k tokens.
+    from nsa_titan.kernels.tuned import TUNED
+
+    g16 = TUNED[("band_fwd", 16, 128, False)]
+    assert band.many_keys_shape(g16, 2047) is None and band.many_keys_shape(g16, 4095) == many
+
+
+def test_sel_dq_from_chunked_ds_takes_the_tables_chunked_shape():
+    """selected._cfg: where the dS is stored a chunk of (batch, KV head) pairs at a time, dQ = dS K takes the
+    sel_dq_ds entry's ``chunked`` shape (attempt 112), and the entry's own shape where all of the dS fits."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels.selected import _cfg
+    from nsa_titan.kernels.tuned import TUNED
+
+    entry = TUNED[("sel_dq_ds", 16, 128, False)]
+    q = torch.zeros(1, 64, 32, 128, dtype=torch.bfloat16)  # G 16 over two KV heads
+    v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    one_pair = 64 * 16 * 16 * 64 * 2  # one KV head's dS bytes: T x G x n x l' x 2 B
+    whole = _cfg("sel_dq", q, v, 16, 16, 64, None, budget=2 * one_pair)
+    chunked = _cfg("sel_dq", q, v, 16, 16, 64, None, budget=2 * one_pair - 1)
+    assert whole["algo"] == chunked["algo"] == "ds"
+    assert whole["ds_chunk"] == 2 and chunked["ds_chunk"] == 1
+    for key in ("NT", "num_warps", "num_stages"):
+        assert whole[key] == entry[key] and chunked[key] == entry["chunked"][key]
+    assert "chunked" not in whole and "chunked" not in chunked
+
+
 def test_kernel_resources_reads_cuobjdump_usage_lines():
     """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
     resource line of cuobjdump --dump-resource-usage."""
