@@ -159,10 +159,10 @@ def _select_slot_order_check(device):
 def _sel_tma_check(device):
     """The token-centric selected forward and dQ recompute with K/V through tensor descriptors (selected.py TMA: one
     block per tile, unused slots read at negative rows) against pointer loads, every case, with two blocks per step
-    (the pointer form then runs 2-block tiles: another summation order, so a float bound, not the bit), and the
-    forward with one block per step, which must match to the bit. Cases whose head dims are not their own power of
-    two fall back to pointer loads; at least one case must take the descriptor path, and no launch may fall back for
-    any other reason (launch_tma's warning is an error here)."""
+    (the pointer form then runs 2-block tiles: another summation order, so a float bound, not the bit; cases with
+    descriptors), and the forward with one block per step, which must match to the bit (every case). Cases whose
+    head dims are not their own power of two fall back to pointer loads; at least one case must take the descriptor
+    path, and no launch may fall back for any other reason (launch_tma's warning is an error here)."""
     import torch
 
     from nsa_titan.kernels import selected, tma
