@@ -1,6 +1,7 @@
 """The whole-attention cases of tests/test_kernels.py and the helpers its checks share: ``run_case`` (the Triton
-NSA attention against the float64 reference), the selected branch's inputs of a case, and ``_tuned_entry`` (a
-tuned.py launch shape set for the length of a block). The named checks are in the _kernel_checks*.py files.
+NSA attention against the float64 reference), the selected branch's inputs of a case and its dQ (``sel_dq``), and
+``_tuned_entry`` (a tuned.py launch shape set for the length of a block). The named checks are in the
+_kernel_checks*.py files.
 """
 
 from __future__ import annotations
@@ -199,3 +200,15 @@ def _sel_inputs(case, device):
                      lse=lse, keys=keys)
         _SEL_INPUTS[case[0], device] = x
     return _SEL_INPUTS[case[0], device]
+
+
+def sel_dq(x, cfg_dq: dict):
+    """dQ of the selected backward on _sel_inputs' ``x`` with dQ launch config ``cfg_dq``, for the checks that compare
+    dQ only. The dK/dV walk that sel_bwd runs as well (and that stores dS for the 'ds' kernels: the same dS per pair
+    however the walk is chunked) takes the block forward's sorted keys and one chunk per block, its cheapest form on
+    the interpreter; sel_bwd_paths and the whole-attention cases check the walks and the sort."""
+    from nsa_titan.kernels import selected_bwd
+
+    return selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], x["p"].slc_block,
+                                cfg_dq=cfg_dq, cfg_dkdv=dict(chunk_tiles=1 << 20), doc_start=x["doc"],
+                                keys=x["keys"])[0]

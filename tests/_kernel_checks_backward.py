@@ -10,6 +10,7 @@ from _kernel_cases import (
     _sel_inputs,
     doc_starts,
     rel_err,
+    sel_dq,
 )
 
 # dQ from stored dS through descriptors needs l' >= 16 (a slot's dS rows are one box's width). A group of 16 fills
@@ -32,7 +33,7 @@ def _sel_dq_ds_tma_check(device):
     float bound. Both cases must take the descriptor path (launch_tma's fallback warning is an error here)."""
     import torch
 
-    from nsa_titan.kernels import selected_bwd, tma
+    from nsa_titan.kernels import tma
 
     worst, took, unequal = {}, 0, []
     with _no_descriptor_fallback():
@@ -41,12 +42,7 @@ def _sel_dq_ds_tma_check(device):
             lp = x["p"].slc_block
             took += tma.descriptor(x["ks"], list(x["ks"].shape), list(x["ks"].stride()),
                                    [1, lp, 1, x["ks"].shape[-1]]) is not None
-            dq = {}
-            for npi in (1, 2):
-                for use in (False, True):
-                    dq[npi, use] = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"],
-                                                        lp, cfg_dq=dict(algo="ds", NPI=npi, tma=use),
-                                                        doc_start=x["doc"])[0]
+            dq = {(npi, use): sel_dq(x, dict(algo="ds", NPI=npi, tma=use)) for npi in (1, 2) for use in (False, True)}
             if not torch.equal(dq[1, False], dq[1, True]):
                 unequal.append(case[0])
             worst[case[0]] = rel_err(dq[2, True], dq[2, False])
@@ -60,7 +56,6 @@ def _sel_dq_tokens_check(device):
     dS (the paths agree to 1e-5 in fp32: sel_bwd_paths), every case whose groups of four chose different blocks (T
     not a multiple of 4; documents; fp16), pointer loads, and K (and V) through descriptors in the G 16 case with
     free slots: each token's blocks summed in another order, so a float bound."""
-    from nsa_titan.kernels import selected_bwd
 
     def groups_differ(idx):  # some group of 4 tokens chose different blocks: the union code runs
         t = idx.shape[2] - idx.shape[2] % 4
@@ -77,22 +72,15 @@ def _sel_dq_tokens_check(device):
             if not groups_differ(x["idx"]):
                 skipped.append(case[0])
                 continue
-            lp = x["p"].slc_block
-            ref = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                       cfg_dq=dict(algo="ds", NPI=1, tma=False, NT=1),
-                                       doc_start=x["doc"])[0]
+            ref = sel_dq(x, dict(algo="ds", NPI=1, tma=False, NT=1))
             # NT 8: groups of <= 8 heads (qwen7b's G 7) fill 64 MMA rows with eight tokens
             for algo, nt in (("ds", 4), ("recompute", 4), ("ds", 8), ("recompute", 8)):
                 for use in (False, True) if case in DS_TMA_CASES else (False,):
-                    got = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                               cfg_dq=dict(algo=algo, NT=nt, tma=use), doc_start=x["doc"])[0]
+                    got = sel_dq(x, dict(algo=algo, NT=nt, tma=use))
                     worst[case[0], algo, nt, use] = rel_err(got, ref)
                     if algo == "ds" and nt == 4 and x["q"].shape[0] * x["ks"].shape[2] > 1:
                         # dS stored one (batch, KV head) at a time (attempt 111): the same dS, the same dQ bits
-                        one = selected_bwd.sel_bwd(x["do"], x["q"], x["ks"], x["vs"], x["o"], x["lse"], x["idx"], lp,
-                                                   cfg_dq=dict(algo=algo, NT=nt, tma=use, ds_chunk=1),
-                                                   doc_start=x["doc"])[0]
-                        chunked[case[0]] = torch.equal(one, got)
+                        chunked[case[0]] = torch.equal(sel_dq(x, dict(algo=algo, NT=nt, tma=use, ds_chunk=1)), got)
     bound = {c[0]: 1e-3 if c[8] == "float16" else 1e-5 for c in CASES + DOC_CASES + DS_TMA_CASES}
     ran = {(algo, nt, use) for _, algo, nt, use in worst}
     return {"ok": len({k[0] for k in worst}) >= 6 and len(ran) == 8 and all(w < bound[k[0]] for k, w in worst.items())

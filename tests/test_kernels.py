@@ -3,8 +3,8 @@
 TRITON_INTERPRET must be set before triton is first imported, and another test module of this pytest process
 may already have imported it; so the kernel checks run in child processes (started once per session, env
 TRITON_INTERPRET=1; one per CPU core up to 2, sharing the cases and checks through a claim directory, slowest
-first: the interpreter is single-threaded and the checks take ~15 minutes in one process) that print a JSON verdict
-per case, and the tests below only read those verdicts.
+first: the interpreter is single-threaded and the checks take ~14 minutes in one process, 2026-12-07) that print a
+JSON verdict per case, and the tests below only read those verdicts.
 Running this file as a script (``python tests/test_kernels.py``) is that child; on a CUDA machine
 ``python tests/test_kernels.py --cuda`` runs the same checks on the GPU, but there they are not a verdict: the
 fp32 cases' dots run in tf32 (errors ~2e-3 against the CPU tolerance of 2e-4) and the torch path's FlexAttention
@@ -28,17 +28,20 @@ import pytest
 
 from _kernel_checks import CASES, CHECKS, DOC_CASES, PREFIX_CASES, run_case
 
-# The slowest checks on the interpreter, slowest first (seconds on a 2-core CPU machine, 2026-11-27: 121, 104, 100,
-# 87, 61, 57, 46, 43, 42, 39 of ~930 in all). The children claim work in this order, then the registry's: longest
-# first is what lets two greedy workers finish together (a fixed every-other split left one child 567 s and the
-# other 362 s, near the fixture's timeout, then 600 s).
-SLOW_FIRST = ("sel_dq_tokens", "sel_tma", "sel_bwd_paths", "sel_tokens", "sel_blocks", "band_tma", "sel_dq_ds_tma",
-              "band_dq2_partials", "decode_fused", "band_dq2")
+# The slowest checks on the interpreter, slowest first (seconds on a 2-core dev machine, 2026-12-07, two claiming
+# children: 108, 107, 97, 96, 45, 42, 38, 37, 36, 32 of ~842 in all; each child's first check also makes the
+# selected cases' inputs, _sel_inputs). The children claim work in this order, then the registry's: longest first is
+# what lets two greedy workers finish together (that run: 428 s and 414 s; a fixed every-other split once left one
+# child 567 s and the other 362 s, near the fixture's timeout, then 600 s).
+SLOW_FIRST = ("sel_tma", "sel_dq_tokens", "sel_tokens", "sel_bwd_paths", "band_tma", "band_dq2_partials", "sel_blocks",
+              "decode_fused", "band_dq2", "sel_dq_ds_tma")
 
 
-# Each child's time limit. The checks took ~930 s of one core in all on the CI machine (2026-11-27), ~465 s a child; a
-# 2-core development machine of 2026-12-06 took 714 s for this file (sel_dq_tokens 153 s against 121) and its
-# children ran past the earlier 600 s, so two cases had no verdict. A limit, not a tolerance: a hang still fails.
+# Each child's time limit. The checks took ~930 s of one core in all on the CI machine (2026-11-27); on a 2-core dev
+# machine this file took 714 s (2026-12-06: children past the earlier 600 s, so two cases had no verdict) and 753 s
+# (2026-12-07, ~1384 core-s). With tests/_interp_speed.py's speed-ups 3-5 and the dQ-only checks' cheaper walks:
+# ~842 core-s on that machine the same day, ~428 s a child. A limit, not a tolerance: a hang still fails; 900 s
+# leaves room for a slower CI machine.
 CHILD_TIMEOUT_S = 900
 
 
