@@ -357,7 +357,7 @@ def test_band_dq2_takes_its_many_keys_shape_from_the_named_key_count():
     stride 16); below the count, or without one, the entry's own shape (None) applies, and the count itself is not
     a launch parameter."""
     pytest.importorskip("triton")
-    from nsa_titan.kernels.band_dq2 import many_keys_shape
+    from nsa_titan.kernels.band import many_keys_shape
     from nsa_titan.kernels.tuned import TUNED
 
     entry = dict(rows=64, BK=32, many_keys=dict(from_keys=1536, rows=128, BK=64, num_warps=8, num_stages=4))
