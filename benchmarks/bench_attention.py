@@ -340,7 +340,8 @@ def write(out_dir, payload):
             for k, v in payload["sweep"].items())]
     if payload.get("check"):
         lines += ["", payload["check_note"]] if payload.get("check_note") else []
-        lines += ["", "| check (bf16 vs float64) | ok | worst rel err | deterministic | sel gap | sel same rows |",
+        lines += ["", "| check (bf16 vs float64) | ok | worst rel err | deterministic (1 vs 2 streams) | sel gap "
+                  "| sel same rows |",
                   "|---|---|---|---|---|---|"]
         for r in payload["check"]:
             note = f" ({r['note']})" if r.get("note") else ""

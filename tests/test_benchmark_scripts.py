@@ -551,3 +551,19 @@ def test_ab_band_dkdv_reads_cases_and_takes_the_median_speedup():
     assert ("| 1b T=32768 B=1 | 1.000 / 3.000 / 2.000 | 1.000 / 0.500 / 2.000 | 4.000 / 4.000 / 5.000 | 2.000x | "
             "0.500x |") in md
     assert set(mod.PLANS) >= {"uniform", "balanced"} and mod.PLANS["uniform"] == {"balanced": False}
+
+
+def test_ab_eager_fork_takes_the_median_of_per_pair_speedups_and_writes_its_table():
+    """benchmarks/ab_eager_fork.py: the speed-up is the median of per-pair ratios (one stream / forked), not the
+    ratio of medians, and too few pairs are refused; the table names each case's default choice."""
+    mod = _load_benchmark("ab_eager_fork")
+    # The medians alone would say 10 / 10 = 1.0; the pairs say the fork won 2 of 3 by 2x.
+    s = mod.summarize([10.0, 10.0, 20.0], [5.0, 10.0, 10.0])
+    assert s["one_stream_ms"] == 10.0 and s["forked_ms"] == 10.0
+    assert s["speedup_median"] == 2.0 and s["pairs"] == 3
+    with pytest.raises(ValueError, match="pairs"):
+        mod.summarize([1.0], [1.0])
+    row = dict(config="m7c", T=8192, B=2, q_values=12582912, forks_by_default=False, bitwise_same=True,
+               reps_per_sample=6, **mod.summarize([2.7, 2.8], [2.9, 2.9]))
+    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", threshold=1 << 24, cases=[row]))
+    assert "| m7c 8192 B=2 | 12.6M | False |" in md and "16777216" in md

@@ -424,6 +424,33 @@ def test_sel_dq_from_chunked_ds_takes_the_tables_chunked_shape():
     assert "chunked" not in whole and "chunked" not in chunked
 
 
+def test_an_eager_backward_forks_from_the_size_threshold_on_and_never_on_the_cpu():
+    """ops.eager_backward_forks: all of q's values (batch x tokens x query heads x head dim) against EAGER_FORK_VALUES
+    (attempt 113), so a batch of shorter sequences and a smaller head dim count as the work they are; _Side forks
+    only on a GPU, even when asked to."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import ops
+
+    values = ops.EAGER_FORK_VALUES
+    assert values % (2 * 64 * 128) == 0
+    at = torch.empty(1, values // (64 * 128), 64, 128, device="meta")
+    below = torch.empty(1, values // (64 * 128) - 1, 64, 128, device="meta")
+    batched = torch.empty(2, values // (2 * 64 * 128), 64, 128, device="meta")
+    half_dim = torch.empty(1, values // (64 * 128), 64, 64, device="meta")
+    assert ops.eager_backward_forks(at) and ops.eager_backward_forks(batched)
+    assert not ops.eager_backward_forks(below) and not ops.eager_backward_forks(half_dim)
+    # The measured sides of the threshold: m7c 8k batch 2 lost with the fork, m7c 32k and qwen7b 8k gained.
+    assert not ops.eager_backward_forks(torch.empty(2, 8192, 12, 64, device="meta"))
+    assert ops.eager_backward_forks(torch.empty(1, 32768, 12, 64, device="meta"))
+    assert ops.eager_backward_forks(torch.empty(1, 8192, 28, 128, device="meta"))
+    fork = ops._Side(torch.zeros(1), eager=True)
+    with fork as side:
+        assert side is None
+    assert fork.side is None and fork.main is None
+
+
 def test_kernel_resources_reads_cuobjdump_usage_lines():
     """benchmarks/kernel_resources.py (offline sm_90 compiles: registers and spills without a GPU) parses the
     resource line of cuobjdump --dump-resource-usage."""

@@ -10,8 +10,10 @@ launchers (band.py, select.py, selected.py, combine.py) stay callable on their o
 Inside a CUDA graph the branches that do not wait for the selection run on a side stream: the window forward, and
 the window's and the compressed branch's dK/dV in the backward. The selected branch is a chain of small kernels
 (selection, sort, tables, merge, reduce) that leaves SMs idle; the band kernels fill them. H100, whole m7c model with
-CUDA graphs: 1.012x at 8k batch 2, 1.006x at 2k batch 8 (benchmarks/results/streams_ab_m7c_H100.md). Same kernels,
-same order of the dQ additions: results are bitwise those of one stream. Eager calls keep one stream (see _Side).
+CUDA graphs: 1.012x at 8k batch 2, 1.006x at 2k batch 8 (benchmarks/results/streams_ab_m7c_H100.md). Eager calls
+fork the backward only from EAGER_FORK_VALUES values of q, where the selected walk (bound by memory) and the band
+dK/dV (by the tensor cores) overlap (attempt 113). Same kernels, same order of the dQ additions: results are bitwise
+those of one stream.
 """
 
 from __future__ import annotations
@@ -54,22 +56,36 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
 
 
+# An eager backward whose q holds at least this many values (batch x tokens x query heads x head dim) runs the band
+# dK/dV on the side stream too (attempt 113): the selected dK/dV walk is bound by memory (paper 64k: 70 % of the
+# H100's DRAM rate, a quarter of its tensor-core rate, ncu_walk_paper64k_s38) and the band dK/dV by the tensor cores,
+# and on two streams their programs share the SMs. H100, eager fwd+bwd against one stream, medians of 18-30
+# alternating pairs (probe_pairs_bwd_s38): paper 8k-64k 1.043x-1.011x, qwen7b 8k 1.045x, 1b 8k batch 4 1.042x, 32k
+# 1.037x, m7c 32k 1.056x, 64k 1.039x; but m7c 8k batch 2 0.952x and 2k batch 8 0.976x (12.6M values each), where the
+# eager call is bound by the host and the fork's host time is the cost. The smallest shapes that gained hold 25M.
+EAGER_FORK_VALUES = 1 << 24
+
+
+def eager_backward_forks(q: Tensor) -> bool:
+    """Whether an eager backward on q's shape runs the band dK/dV on the side stream (EAGER_FORK_VALUES)."""
+    return q.numel() >= EAGER_FORK_VALUES
+
+
 class _Side:
     """``with _Side(x):`` runs the block's launches on the side stream, after the main stream's work so far, when x is
-    on a GPU and a CUDA graph is being captured (else on the current stream); ``join()`` makes the main stream wait
-    for them. Tensors that cross the streams
-    are allocated on the main stream before the fork and live until after the join, so the caching allocator never
-    hands their memory to the other stream early."""
+    on a GPU and a CUDA graph is being captured or ``eager`` is set (else on the current stream); ``join()`` makes the
+    main stream wait for them. Tensors that cross the streams are allocated on the main stream before the fork and
+    live until after the join, so the caching allocator never hands their memory to the other stream early."""
 
-    def __init__(self, x: Tensor):
-        # Only while a CUDA graph is being captured: a replay pays nothing for the fork and the join, while an eager
-        # call pays their host time, and small eager shapes are bound by the host. (A kernel-table run with the
-        # streams on in eager calls had m7c 8k batch 1's eager forward at 1.34 ms of wall time against 0.82 the
-        # session before: another machine, so not a clean A/B, but the gain was only ever measured under graphs.)
+    def __init__(self, x: Tensor, eager: bool = False):
+        # Eager calls fork only where the caller says so: a replay pays nothing for the fork and the join, while an
+        # eager call pays their host time, and small eager shapes are bound by the host. (A kernel-table run with
+        # the streams on in eager calls had m7c 8k batch 1's eager forward at 1.34 ms of wall time against 0.82 the
+        # session before: another machine, so not a clean A/B.)
         self.side = self.main = None
         if x.is_cuda:
             side = _side_stream(x.device.index or 0)  # made by the first call: graph trees run eagerly before capture
-            if torch.cuda.is_current_stream_capturing():
+            if eager or torch.cuda.is_current_stream_capturing():
                 self.side, self.main = side, torch.cuda.current_stream(x.device)
 
     def __enter__(self):
@@ -207,7 +223,7 @@ def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: T
     dk_win, dv_win, dk_cmp, dv_cmp = map(torch.empty_like, (k_win, v_win, k_cmp, v_cmp))
     bands = ((k_win, v_win, lse_win, delta[2], 1, 0, window), (k_cmp, v_cmp, lse_cmp, delta[0], cmp_stride,
                                                                cmp_block - 1, 0))  # band_dq2's two branches
-    fork = _Side(q)
+    fork = _Side(q, eager=eager_backward_forks(q))
     with fork:
         band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], doc_start=doc_start,
                       parts="dkdv", dkv_out=(dk_win, dv_win))

@@ -1,0 +1,130 @@
+"""Eager NSA forward+backward with its band dK/dV on the side stream against one stream, in one process on one GPU.
+
+    python benchmarks/ab_eager_fork.py --cases paper:65536:1,m7c:8192:2 [--out DIR]
+
+Attempt 113 (ops.EAGER_FORK_VALUES) decides per shape whether an eager backward forks. This script times both
+choices for each case whatever the threshold says: single calls (or back-to-back groups of them, >= 20 ms per
+sample, so that host-bound shapes are timed at their host's pace as in use), the L2 flushed before each sample,
+the two choices alternating and their order swapped every pair, and the median of the per-pair ratios (the
+clock drift that moves both by a few per cent between rounds cancels within a pair). It also checks that the two
+give bitwise the same gradients. Writes ab_eager_fork<tag>_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+NEVER = 1 << 62
+
+
+def summarize(base_ms: list[float], fork_ms: list[float]) -> dict:
+    """Per-pair speed-ups (one stream / forked) -> their median and quartiles, with both medians."""
+    if len(base_ms) != len(fork_ms) or len(base_ms) < 2:
+        raise ValueError(f"need >= 2 pairs of samples, got {len(base_ms)} and {len(fork_ms)}")
+    ratios = [b / f for b, f in zip(base_ms, fork_ms)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return dict(one_stream_ms=statistics.median(base_ms), forked_ms=statistics.median(fork_ms),
+                speedup_median=statistics.median(ratios), speedup_q1=q1, speedup_q3=q3, pairs=len(ratios))
+
+
+def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
+    import torch
+    from attention_checks import make_inputs
+    from profile_block import ATTN_CONFIGS, PAPER_P
+
+    from nsa_titan.kernels import nsa_attention, ops
+
+    torch.manual_seed(0)
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
+    dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    keep = ops.EAGER_FORK_VALUES
+
+    def call():
+        for x in ins:
+            x.grad = None
+        nsa_attention(*ins, PAPER_P)[0].backward(dout)
+
+    def sample(fork: bool, reps: int) -> float:
+        ops.EAGER_FORK_VALUES = 0 if fork else NEVER
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    try:
+        grads = []
+        for fork in (False, True):
+            ops.EAGER_FORK_VALUES = 0 if fork else NEVER
+            call()
+            grads.append([x.grad.clone() for x in ins])
+        same = all(torch.equal(a, b) for a, b in zip(*grads))
+        del grads
+        for fork in (False, True):
+            sample(fork, 3)  # warm-up: compilation, autotuning, the side stream's first use
+        one = sample(False, 1)
+        reps = max(1, int(20 / one))
+        pairs = max(8, min(30, int(budget_ms / (2 * reps * one))))
+        base, forked = [], []
+        for i in range(pairs):
+            for fork in ((False, True) if i % 2 == 0 else (True, False)):
+                (forked if fork else base).append(sample(fork, reps))
+    finally:
+        ops.EAGER_FORK_VALUES = keep
+    row = dict(config=name, T=T, B=B, q_values=B * T * HQ * DK, forks_by_default=B * T * HQ * DK >= keep,
+               bitwise_same=same, reps_per_sample=reps, **summarize(base, forked))
+    print(f"{name} T={T} B={B}: one stream {row['one_stream_ms']:.3f} -> forked {row['forked_ms']:.3f} ms; speed-up "
+          f"{row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}), {pairs} pairs x "
+          f"{reps}; gradients bitwise the same: {same}", flush=True)
+    return row
+
+
+def to_markdown(payload: dict) -> str:
+    lines = [f"# Eager backward on two streams against one: {payload['device']}", "",
+             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; "
+             "`benchmarks/ab_eager_fork.py`: NSA attention fwd+bwd, median of per-pair speed-ups (one stream / "
+             "forked) over alternating pairs of samples; `forks` = the shape's choice under "
+             f"ops.EAGER_FORK_VALUES = {payload['threshold']}.", "",
+             "| case | q values | forks | one stream ms | forked ms | speed-up (IQR) | pairs x calls | bitwise |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in payload["cases"]:
+        lines.append(f"| {r['config']} {r['T']} B={r['B']} | {r['q_values'] / 1e6:.1f}M | {r['forks_by_default']} | "
+                     f"{r['one_stream_ms']:.3f} | {r['forked_ms']:.3f} | {r['speedup_median']:.3f} "
+                     f"({r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}) | {r['pairs']} x {r['reps_per_sample']} | "
+                     f"{r['bitwise_same']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="paper:65536:1,paper:8192:1,1b:32768:1,m7c:32768:1,m7c:8192:2")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = ap.parse_args()
+    import torch
+    from attention_checks import run_header, write_results
+
+    from nsa_titan.kernels import ops
+
+    rows = []
+    for case in a.cases.split(","):
+        name, T, B = case.split(":")
+        rows.append(measure(name, int(T), int(B)))
+        torch.cuda.empty_cache()
+    payload = run_header(threshold=ops.EAGER_FORK_VALUES, cases=rows)
+    write_results(a.out, f"ab_eager_fork{a.tag}_" + payload["device"].replace(" ", "_"), payload, to_markdown(payload))
+
+
+if __name__ == "__main__":
+    main()
