@@ -60,7 +60,7 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 # dK/dV on the side stream too (attempt 113): the selected dK/dV walk is bound by memory (paper 64k: 70 % of the
 # H100's DRAM rate, a quarter of its tensor-core rate, ncu_walk_paper64k_s38) and the band dK/dV by the tensor cores,
 # and on two streams their programs share the SMs. H100, eager fwd+bwd against one stream, medians of 18-30
-# alternating pairs (probe_pairs_bwd_s38): paper 8k-64k 1.043x-1.011x, qwen7b 8k 1.045x, 1b 8k batch 4 1.042x, 32k
+# alternating pairs (ab_eager_fork_probe_s38): paper 8k-64k 1.043x-1.011x, qwen7b 8k 1.045x, 1b 8k batch 4 1.042x, 32k
 # 1.037x, m7c 32k 1.056x, 64k 1.039x; but m7c 8k batch 2 0.952x and 2k batch 8 0.976x (12.6M values each), where the
 # eager call is bound by the host and the fork's host time is the cost. The threshold is the smallest shape that
 # gained (m7c 32k, 25.2M; qwen7b 8k 29.4M), which leaves out the 1b's 8k at batch 1 (16.8M, unmeasured, and bound by
