@@ -20,9 +20,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-NEVER = 1 << 62
-
-
 def summarize(base_ms: list[float], fork_ms: list[float]) -> dict:
     """Per-pair speed-ups (one stream / forked) -> their median and quartiles, with both medians."""
     if len(base_ms) != len(fork_ms) or len(base_ms) < 2:
@@ -35,7 +32,7 @@ def summarize(base_ms: list[float], fork_ms: list[float]) -> dict:
 
 def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
     import torch
-    from attention_checks import make_inputs
+    from attention_checks import eager_fork, make_inputs
     from profile_block import ATTN_CONFIGS, PAPER_P
 
     from nsa_titan.kernels import nsa_attention, ops
@@ -45,7 +42,7 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
     ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
     dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    keep = ops.EAGER_FORK_VALUES
+    forks_by_default = ops.eager_backward_forks(ins[0])
 
     def call():
         for x in ins:
@@ -53,36 +50,33 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
         nsa_attention(*ins, PAPER_P)[0].backward(dout)
 
     def sample(fork: bool, reps: int) -> float:
-        ops.EAGER_FORK_VALUES = 0 if fork else NEVER
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            call()
-        end.record()
+        with eager_fork(fork):
+            start.record()
+            for _ in range(reps):
+                call()
+            end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
-    try:
-        grads = []
-        for fork in (False, True):
-            ops.EAGER_FORK_VALUES = 0 if fork else NEVER
+    grads = []
+    for fork in (False, True):
+        with eager_fork(fork):
             call()
-            grads.append([x.grad.clone() for x in ins])
-        same = all(torch.equal(a, b) for a, b in zip(*grads))
-        del grads
-        for fork in (False, True):
-            sample(fork, 3)  # warm-up: compilation, autotuning, the side stream's first use
-        one = sample(False, 1)
-        reps = max(1, int(20 / one))
-        pairs = max(8, min(30, int(budget_ms / (2 * reps * one))))
-        base, forked = [], []
-        for i in range(pairs):
-            for fork in ((False, True) if i % 2 == 0 else (True, False)):
-                (forked if fork else base).append(sample(fork, reps))
-    finally:
-        ops.EAGER_FORK_VALUES = keep
-    row = dict(config=name, T=T, B=B, q_values=B * T * HQ * DK, forks_by_default=B * T * HQ * DK >= keep,
+        grads.append([x.grad.clone() for x in ins])
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    del grads
+    for fork in (False, True):
+        sample(fork, 3)  # warm-up: compilation, autotuning, the side stream's first use
+    one = sample(False, 1)
+    reps = max(1, int(20 / one))
+    pairs = max(8, min(30, int(budget_ms / (2 * reps * one))))
+    base, forked = [], []
+    for i in range(pairs):
+        for fork in ((False, True) if i % 2 == 0 else (True, False)):
+            (forked if fork else base).append(sample(fork, reps))
+    row = dict(config=name, T=T, B=B, q_values=ins[0].numel(), forks_by_default=forks_by_default,
                bitwise_same=same, reps_per_sample=reps, **summarize(base, forked))
     print(f"{name} T={T} B={B}: one stream {row['one_stream_ms']:.3f} -> forked {row['forked_ms']:.3f} ms; speed-up "
           f"{row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}), {pairs} pairs x "

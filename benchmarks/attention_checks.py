@@ -9,6 +9,7 @@ beat a chosen free block by more than a small tolerance. GPU only (``DEV``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,18 @@ def run_header(**extra) -> dict:
 
     return dict(device=device_name(torch.device(DEV)), **software_versions(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra)
+
+
+@contextlib.contextmanager
+def eager_fork(on: bool):
+    """Within it, every eager NSA backward runs its band dK/dV on the side stream (on) or on one stream (off),
+    whatever ops.EAGER_FORK_VALUES says for the shape; the threshold is restored after."""
+    keep = ops.EAGER_FORK_VALUES
+    ops.EAGER_FORK_VALUES = 0 if on else 1 << 62
+    try:
+        yield
+    finally:
+        ops.EAGER_FORK_VALUES = keep
 
 
 def same_rows(a, b, at_least=0.9999) -> bool:
@@ -284,19 +297,15 @@ def check_one(B, T, HQ, HKV, DK, DV, p, chunk, names, dq_buffer_bytes=None):
     dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
     kw = {} if dq_buffer_bytes is None else dict(dq_buffer_bytes=dq_buffer_bytes)
     # Deterministic: two calls give bitwise the same gradients, the first with the eager backward on one stream and
-    # the second with its band dK/dV on the side stream (ops.EAGER_FORK_ROWS), whatever the shape's own choice.
-    keep = ops.EAGER_FORK_ROWS
-    try:
-        ops.EAGER_FORK_ROWS = 1 << 62
+    # the second with its band dK/dV on the side stream (ops.EAGER_FORK_VALUES), whatever the shape's own choice.
+    with eager_fork(False):
         out, idx = nsa_attention(*xs, p, **kw)
         out.backward(dout)
-        grads = [x.grad for x in xs]
-        ops.EAGER_FORK_ROWS = 0
-        xs2 = [x.detach().requires_grad_(True) for x in ins]
+    grads = [x.grad for x in xs]
+    xs2 = [x.detach().requires_grad_(True) for x in ins]
+    with eager_fork(True):
         out2, _ = nsa_attention(*xs2, p, **kw)
         out2.backward(dout)
-    finally:
-        ops.EAGER_FORK_ROWS = keep
     determ = all(torch.equal(a, b.grad) for a, b in zip(grads, xs2))
     ref, rgrads, gap, same = chunked_reference(ins, idx, dout, p, chunk)
     errs = {"out": rel(out, ref)}

@@ -567,3 +567,22 @@ def test_ab_eager_fork_takes_the_median_of_per_pair_speedups_and_writes_its_tabl
                reps_per_sample=6, **mod.summarize([2.7, 2.8], [2.9, 2.9]))
     md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", threshold=1 << 24, cases=[row]))
     assert "| m7c 8192 B=2 | 12.6M | False |" in md and "16777216" in md
+
+
+def test_eager_fork_forces_the_backward_s_stream_choice_and_restores_the_threshold():
+    """attention_checks.eager_fork (the float64 check's 1-vs-2-streams determinism, ab_eager_fork.py): on, the
+    smallest shape forks; off, the largest does not; the threshold comes back after, also after an error."""
+    import torch
+
+    from nsa_titan.kernels import ops
+
+    mod = _load_benchmark("attention_checks")
+    small, large = torch.empty(1, 1, 1, 1, device="meta"), torch.empty(8, 1 << 17, 64, 128, device="meta")
+    keep = ops.EAGER_FORK_VALUES
+    with mod.eager_fork(True):
+        assert ops.eager_backward_forks(small)
+    with mod.eager_fork(False):
+        assert not ops.eager_backward_forks(large)
+    with pytest.raises(RuntimeError), mod.eager_fork(True):
+        raise RuntimeError
+    assert ops.EAGER_FORK_VALUES == keep and ops.eager_backward_forks(large) and not ops.eager_backward_forks(small)
