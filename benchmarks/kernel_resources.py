@@ -38,8 +38,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
 SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
-                "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "POFF": "*i32", "DK_": "*bf16",
-                "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32", "DS": "*fp32"}
+                "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "ORD": "*i32", "POFF": "*i32",
+                "DK_": "*bf16", "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32",
+                "DS": "*fp32"}
 KERNELS = {"band_fwd": band._band_fwd, "band_dq": band_bwd._band_bwd_dq, "band_dkdv": band_bwd._band_bwd_dkdv}
 SHAPES = {"1b": (128, 16, 1), "m7c": (64, 6, 2)}  # head dim, G, KV heads
 GEOMETRY = {"cmp": (16, 31, 0), "win": (1, 0, 512)}  # KSTRIDE, KOFF, WIN of the paper's l=32, d=16, w=512

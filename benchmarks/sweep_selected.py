@@ -142,7 +142,10 @@ VARIANTS = {  # first = the token-centric pointer form (G 16 at head dim 128: tm
                  # (The walk with the keys as MMA rows, band_bwd's KT, attempt 73, lost at every shape and config:
                  # sweep_selected_walk_kt*_s17_*; not kept.)
                  dict(rows=64, num_warps=4, num_stages=3, mask_split=True),
-                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True)],
+                 dict(rows=16, num_warps=4, num_stages=2, mask_split=True),
+                 # TUNED's shape as is, then its chunks in token order (attempt 114) of 8 to 64 query tiles
+                 dict(), dict(order="tokens", chunk_tiles=8), dict(order="tokens", chunk_tiles=16),
+                 dict(order="tokens", chunk_tiles=32), dict(order="tokens", chunk_tiles=64)],
     # block importance + top-n (select.py): rows = tokens per program * next_pow2(G), CI = compressed tokens
     # per chunk; the first is the heuristic default (tuned.py picks 256 rows / 8 warps for m7c). Each is held to
     # the float64 selection (float64_selection).
@@ -206,8 +209,8 @@ def case(name: str, T: int, B: int, kernels: list[str], pick: list[int] | None =
               f"{best and best['cfg']}; all "
               + ", ".join(f"{r['cfg'].get('algo', 'token')[0]}{'t' if r['cfg'].get('tma') else ''}"
                           f"{r['cfg'].get('rows', '-')}/{r['cfg'].get('NPI', r['cfg'].get('NT', '-'))}/"
-                          f"{r['cfg'].get('chunk_tiles', '-')}/"
-                          f"{r['cfg']['num_warps']}/{r['cfg']['num_stages']}="
+                          f"{r['cfg'].get('chunk_tiles', '-')}{'tok' if r['cfg'].get('order') == 'tokens' else ''}/"
+                          f"{r['cfg'].get('num_warps', '-')}/{r['cfg'].get('num_stages', '-')}="
                           f"{r.get('ms', 'ERR')}{'' if r.get('same', True) else '!'}"
                           for r in res), flush=True)
     print(json.dumps({k: v for k, v in out.items() if k.startswith("union")}), flush=True)

@@ -94,8 +94,8 @@ def _sel_bwd_paths_check(device):
     one dK/dV chunk per block (direct stores only) vs dQ = dS K from the stored dS with blocks cut into chunks of
     one query tile (partials added by the reduce kernel) vs dQ summed from per-(token, slot) partials that the
     dK/dV walk stores (fp32, and in the inputs' dtype), the last one with the pair keys the block-centric
-    forward sorted; and the walk with its mask-free steps (mask_split) and with 64-bit row arithmetic (i32_rows off;
-    on by default) for the partials and the dS paths. The
+    forward sorted; the walk with its mask-free steps (mask_split) and with 64-bit row arithmetic (i32_rows off;
+    on by default) for the partials and the dS paths; and its chunks in token order (order="tokens"). The
     whole-attention cases above run the default path only (on the interpreter: dS, two tiles per chunk)."""
     from nsa_titan.kernels import selected_bwd
 
@@ -111,7 +111,11 @@ def _sel_bwd_paths_check(device):
                 # The walk's row arithmetic in 64 bits (i32_rows off) against the default 32 bits from each batch's
                 # bases (the b2 cases check the bases, the document cases DS's), for the partials and the dS buffers.
                 (dict(algo="partials", partial_bits=16), dict(chunk_tiles=1, i32_rows=False), False),
-                (dict(algo="ds"), dict(chunk_tiles=2, i32_rows=False, mask_split=True), True)]
+                (dict(algo="ds"), dict(chunk_tiles=2, i32_rows=False, mask_split=True), True),
+                # The walk's chunks in token order (attempt 114): with the dS stored one (batch, KV head) pair at a
+                # time (each launch then adds its own partials), and with the dQ partials and mask-free steps.
+                (dict(algo="ds", ds_chunk=1), dict(chunk_tiles=1, order="tokens"), False),
+                (dict(algo="partials"), dict(chunk_tiles=2, order="tokens", mask_split=True), True)]
     for case in CASES + DOC_CASES:
         if (x := _sel_inputs(case, device)) is None:
             continue

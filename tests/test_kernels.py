@@ -339,6 +339,50 @@ def test_sel_dq_cfg_with_the_removed_pairs_key_is_refused_before_launching():
     assert selected._cfg("sel_fwd", q, k, 2, n, lp, dict(algo="tokens", NT=2))["NT"] == 2
 
 
+def test_walk_token_order_runs_every_chunk_once_by_first_token_and_spare_programs_last():
+    """pair_sort.chunk_token_order (attempt 114) against the torch spec of the pair tables: per (batch, KV head) row
+    a permutation of the program ids in which the live chunks come by their first pair's token (ties in chunk id
+    order, i.e. block order) and the spare programs (block NB) last, in their own order; chunks of 1, 3 and 16
+    pairs over selections with unused slots."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels.pair_sort import block_pairs_reference, chunk_token_order
+
+    gen = torch.Generator().manual_seed(3)
+    B, HKV, T, n, nb = 2, 2, 90, 4, 9
+    idx = torch.randint(-1, nb, (B, HKV, T, n), generator=gen)
+    for ch in (1, 3, 16):
+        keys, off, coff, poff, prog = block_pairs_reference(idx, nb, ch)
+        order = chunk_token_order(keys, off, coff, prog, nb, ch, n)
+        assert order.dtype == torch.int32 and order.shape == prog.shape
+        for row in range(B * HKV):
+            want = []  # (first token or T for a spare program, chunk id): the spec's sort key
+            for c in range(prog.shape[1]):
+                blk = int(prog[row, c])
+                if blk == nb:
+                    want.append((T, c))
+                    continue
+                lo = int(off[row, blk]) + (c - int(coff[row, blk])) * ch
+                assert lo < int(off[row, blk + 1])  # a live chunk has pairs
+                want.append((int(keys[row, lo]) // n - blk * T, c))
+            assert order[row].tolist() == [c for _, c in sorted(want)], (ch, row)
+            assert sorted(order[row].tolist()) == list(range(prog.shape[1]))
+
+
+def test_walk_order_cfg_is_checked_before_launching():
+    """sel_dkdv's order is 'blocks' or 'tokens'; anything else is refused with both names."""
+    pytest.importorskip("triton")
+    import torch
+
+    from nsa_titan.kernels import selected
+
+    q, k = torch.zeros(1, 32, 4, 16), torch.zeros(1, 32, 2, 16)
+    with pytest.raises(ValueError, match="'blocks'.*'tokens'"):
+        selected._cfg("sel_dkdv", q, k, 2, 2, 16, dict(order="token"))
+    assert selected._cfg("sel_dkdv", q, k, 2, 2, 16, dict(order="tokens"))["order"] == "tokens"
+
+
 def test_band_dq2_refuses_a_second_branch_without_keys():
     """band_dq2.band_dq2 (two branches' dQ in one launch) needs keys in its second branch; with none (T shorter
     than one compression block) it names the one-branch call to make instead, before any launch."""

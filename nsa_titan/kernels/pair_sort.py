@@ -175,6 +175,27 @@ def _pair_prog(COFF, PROG, NB, NCH, LOGB: tl.constexpr, BB: tl.constexpr):
     tl.store(PROG + row * NCH + p, lo, mask=p < NCH)
 
 
+def chunk_token_order(keys: torch.Tensor, off: torch.Tensor, coff: torch.Tensor, prog: torch.Tensor, nb: int,
+                      ch: int, n: int) -> torch.Tensor:
+    """The walk's programs in token order (attempt 114): [B*HKV, NCH] int32, the chunk ids of every row sorted
+    by each chunk's first token (stable, so ties keep block order; spare programs last). Run in that order, the
+    chunks on the GPU at one time hold pairs of nearby tokens, whose Q / dO rows L2 then serves to all of them:
+    every block's list is sorted by token, and at a token t every block before it is chosen with the same
+    probability, so chunks that start together advance through the tokens together. In block order (chunk id
+    order) the running chunks spread over the whole sequence and each pair's rows come from DRAM (ncu at the
+    paper's 64k: ~34 GB of Q / dO rows per call). Static shapes, no host sync."""
+    rows, nch = prog.shape
+    tn = keys.shape[1]
+    T = tn // n
+    blk = prog.long()
+    live = blk < nb
+    b = blk.clamp(max=nb - 1)
+    chunk = torch.arange(nch, device=prog.device).expand(rows, nch)
+    lo = off.long().gather(1, b) + (chunk - coff.long().gather(1, b)) * ch
+    t = keys.gather(1, lo.clamp(max=tn - 1)).long() // n - b * T  # the chunk's first pair: key = blk*T*n + t*n + slot
+    return torch.argsort(torch.where(live, t, T), dim=1, stable=True).to(torch.int32)
+
+
 def pair_key_dtype(nb: int, tn: int) -> torch.dtype:
     """int32 keys while (nb + 1) * T*n fits (T below ~92.7k at l' = 64, n = 16): the radix sort then makes 4
     passes instead of 8 (16 of the m7c layer's kernel launches at 8k were int64 sort passes, 0.24 ms)."""

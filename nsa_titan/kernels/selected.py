@@ -323,6 +323,9 @@ def _cfg(kernel: str, q, v, G: int, n: int, lp: int, cfg: dict | None, budget: i
     if c.get("algo") is not None and c["algo"] not in ALGOS.get(kernel, ()):
         hint = " (the forward's 'pairs' is algo='tokens' with NT=2 since attempt 79)" if kernel == "sel_fwd" else ""
         raise ValueError(f"{kernel} cfg algo={c['algo']!r}: not one of {ALGOS.get(kernel, ())}{hint}")
+    if kernel == "sel_dkdv" and c.get("order", "blocks") not in ("blocks", "tokens"):
+        raise ValueError(f"sel_dkdv cfg order={c['order']!r}: use 'blocks' (chunks in block order) or 'tokens' (by "
+                         "each chunk's first token, pair_sort.chunk_token_order)")
     if kernel == "sel_dq" and not (isinstance(c.get("ds_chunk", 1), int) and c.get("ds_chunk", 1) >= 1):
         raise ValueError(f"sel_dq cfg ds_chunk={c['ds_chunk']!r}: the (batch, KV head) pairs per stored-dS chunk "
                          "must be an int >= 1 (leave it out for the budget's choice)")

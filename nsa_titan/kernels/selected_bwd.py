@@ -27,7 +27,7 @@ import triton.language as tl
 from nsa_titan.kernels.band import LOG2E, sm_count
 from nsa_titan.kernels.combine import fits_i32, pow2, rowdot
 from nsa_titan.kernels.launch import run
-from nsa_titan.kernels.pair_sort import block_pairs
+from nsa_titan.kernels.pair_sort import block_pairs, chunk_token_order
 from nsa_titan.kernels.selected import _cfg, _consts, _token_rows
 from nsa_titan.kernels.selected_blocks import load_kv_rows, sel_dq_sum, slot_row
 from nsa_titan.kernels.selected_dq import _sel_bwd_dq, _sel_bwd_dq_ds, _sel_bwd_dq_ds_tokens, _sel_bwd_dq_tokens
@@ -96,13 +96,13 @@ def _walk_step(Q, DO, LSE, DELTA, DSB, DQP, DS, key_base, k, v, acc_k, acc_v, e0
 
 
 @triton.jit
-def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
+def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, ORD, POFF, DK_, DV_, PK, PV, DSB, DQP, DS,
                   sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                   T, NB, G: tl.constexpr, HKV, NCH, NPS, CH, qk_scale, sm_scale, LP: tl.constexpr, BS: tl.constexpr,
                   NSEL: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GS: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, STORE_DS: tl.constexpr,
                   STORE_DQ: tl.constexpr, DOC: tl.constexpr, MASK_SPLIT: tl.constexpr, I32: tl.constexpr = False,
-                  CHUNKED: tl.constexpr = False, BH0=0, DSOFF=0):
+                  CHUNKED: tl.constexpr = False, BH0=0, DSOFF=0, ORDERED: tl.constexpr = False):
     """One program per chunk of <= CH (token, slot) pairs of one block (the chunk table of
     pair_sort.block_pairs). A block with one chunk writes its dK/dV rows; a block cut into several writes
     fp32 partials to slots POFF[block] + chunk, which _sel_bwd_reduce adds in chunk order.
@@ -115,14 +115,21 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     MASK_SPLIT: the steps past the block's own tokens run without the causal mask (a second copy of the loop).
     I32 (launch option i32_rows, when every buffer's part of one batch has < 2^31 elements): the walk's row and
     address arithmetic in 32 bits from batch b's bases, and the pair keys decoded unsigned (sel_bwd_parts).
+    ORDERED (launch option order="tokens", attempt 114): program i takes chunk ORD[pair, i] (pair_sort.
+    chunk_token_order: the chunks by first token), so that the chunks running together share their tokens' Q / dO
+    rows in L2.
     CHUNKED (dS in chunks of (batch, KV head) pairs, sel_bwd_parts' ds_chunk): this launch's programs are the pairs
-    BH0 + program_id(1), and DSB holds their dS only, from the pair BH0 (its element DSOFF of the whole buffer).
+    BH0 + program_id(1), DSB holds their dS only, from the pair BH0 (its element DSOFF of the whole buffer), and
+    PK / PV their partials only (rows program_id(1)), which the launch's _sel_bwd_reduce adds.
     A constexpr, so that the one-launch kernels stay as they were (offline sm_90, the 1b's walk: 600 -> 712 bytes
     of spills with the two offsets always applied)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    p_bh = pid_bh  # the partial slots' row: PK / PV hold this launch's pairs only
     if CHUNKED:
         pid_bh += BH0
         DSB = DSB - DSOFF  # the whole buffer's addressing below: only this chunk's part is ever written
+    if ORDERED:
+        pid = tl.load(ORD + pid_bh.to(tl.int64) * NCH + pid)
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     blk = tl.load(PROG + pid_bh.to(tl.int64) * NCH + pid)
     live = (blk < NB).to(tl.int32)  # spare programs (past the last chunk) have blk == NB: no pairs, no stores
@@ -181,24 +188,26 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, POFF, DK_, DV_
     tl.store(DK_ + out_row * DK + dk[None, :], acc_k.to(DK_.dtype.element_ty), mask=smask & (dk[None, :] < DK))
     tl.store(DV_ + out_row * DV + dv[None, :], acc_v.to(DV_.dtype.element_ty), mask=smask & (dv[None, :] < DV))
     pmask = (alive & ~whole)[:, None]
-    p_row = (pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab) + pid - c0) * BS + sj[:, None]
+    p_row = (p_bh.to(tl.int64) * NPS + tl.load(POFF + tab) + pid - c0) * BS + sj[:, None]
     tl.store(PK + p_row * DKP + dk[None, :], acc_k, mask=pmask & (dk[None, :] < DK))
     tl.store(PV + p_row * DVP + dv[None, :], acc_v, mask=pmask & (dv[None, :] < DV))
 
 
 @triton.jit
-def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, LP: tl.constexpr, BS: tl.constexpr,
+def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, BH0, LP: tl.constexpr, BS: tl.constexpr,
                     RB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
     """dK/dV of every block not written by _sel_bwd_dkdv: the sum of its chunks' partials in chunk order
     (deterministic), or zeros for a block that no token selected. One program per RB of the block's BS rows:
     block 0 (chosen by every token) has ~T*n/CH chunks, and with one program per block its serial sum was the
-    kernel's tail (H100, 1b at 8k: 0.106 ms for 128 programs)."""
-    blk, pid_bh, rg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kernel's tail (H100, 1b at 8k: 0.106 ms for 128 programs). The (batch, KV head) pairs BH0 + program_id(1),
+    whose partials PK / PV hold from row 0 (one launch per chunk of pairs where the walk's dS is chunked)."""
+    blk, p_bh, rg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_bh = p_bh + BH0
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
     tab = pid_bh.to(tl.int64) * (NB + 1) + blk
     c0 = tl.load(COFF + tab)
     nch = tl.load(COFF + tab + 1) - c0
-    p0 = pid_bh.to(tl.int64) * NPS + tl.load(POFF + tab)
+    p0 = p_bh.to(tl.int64) * NPS + tl.load(POFF + tab)
     dk, dv, sj = tl.arange(0, DKP), tl.arange(0, DVP), rg * RB + tl.arange(0, RB)
     acc_k = tl.zeros([RB, DKP], tl.float32)
     acc_v = tl.zeros([RB, DVP], tl.float32)
@@ -269,14 +278,19 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     chunked = per_chunk < bh  # the kernels' CHUNKED: their launches cover part of the pairs
     ch = bt * _chunk_tiles(per_chunk * T * n, bt, q.device, lc)  # each launch's programs fill the GPU
     keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
+    # The walk's programs in token order (attempt 114; launch option order="tokens", TUNED's choice per shape).
+    ordered = lc.get("order", "blocks") == "tokens"
+    order = chunk_token_order(keys, off, coff, prog, nb, ch, n) if ordered else prog  # prog: never read
     # Partial slots of the blocks cut into several chunks: each such block has count > ch pairs and
-    # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice.
-    nps = 2 * -(-T * n // ch)
+    # ceil(count / ch) < 2 * count / ch chunks, so 2 * ceil(T * n / ch) slots always suffice; nor can there be more
+    # than the chunks, prog.shape[1] (the smaller bound for short chunks, as token order takes).
+    nps = min(2 * -(-T * n // ch), prog.shape[1])
     bs, dkp, dvp = c["BS"], c["DKP"], c["DVP"]
     dk = torch.empty(B, T, HKV, DK, device=q.device, dtype=k.dtype)
     dv = torch.empty(B, T, HKV, DV, device=q.device, dtype=v.dtype)
-    pk = torch.empty(B * HKV, nps, bs, dkp, device=q.device, dtype=torch.float32)
-    pv = torch.empty(B * HKV, nps, bs, dvp, device=q.device, dtype=torch.float32)
+    # partials of one launch's (batch, KV head) pairs, added by that launch's reduce
+    pk = torch.empty(per_chunk, nps, bs, dkp, device=q.device, dtype=torch.float32)
+    pv = torch.empty(per_chunk, nps, bs, dvp, device=q.device, dtype=torch.float32)
     dsb = q.new_empty(per_chunk, T, n, G, slc_block) if algo == "ds" else pk  # pk: never written without STORE_DS
     dqp = pk  # never written without STORE_DQ
     if algo == "partials":  # every used (token, slot) is written; unused slots are masked in the sum
@@ -285,19 +299,19 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     walk = dict(BT=bt, ROWS=rows, GS=gs, **c, STORE_DS=algo == "ds", STORE_DQ=algo == "partials",
                 DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
                 I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
-                num_warps=lc["num_warps"], num_stages=lc["num_stages"])
+                num_warps=lc["num_warps"], num_stages=lc["num_stages"], ORDERED=ordered)
+    rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
     for bh0 in range(0, bh, per_chunk):  # one pass unless dS is chunked; a static count, no host sync
         nbh, dsoff = min(per_chunk, bh - bh0), bh0 * T * n * G * slc_block  # dsoff: the chunk's first dS element
         run(_sel_bwd_dkdv, (prog.shape[1], nbh),
-            q, k, v, do, lse, delta, keys, off, coff, prog, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb, G,
-            HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, CHUNKED=chunked, BH0=bh0, DSOFF=dsoff,
+            q, k, v, do, lse, delta, keys, off, coff, prog, order, poff, dk, dv, pk, pv, dsb, dqp, ds, *strides, T, nb,
+            G, HKV, prog.shape[1], nps, ch, DK**-0.5 * LOG2E, DK**-0.5, CHUNKED=chunked, BH0=bh0, DSOFF=dsoff,
             **walk)
         if algo == "ds":
             _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff,
                         chunked)
-    rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
-    run(_sel_bwd_reduce, (nb, B * HKV, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, LP=slc_block, BS=bs,
-        RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
+        run(_sel_bwd_reduce, (nb, nbh, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, bh0, LP=slc_block,
+            BS=bs, RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
     if algo == "partials":
         if not sum_dq:
             return dq, dk, dv, (dqp, block_idx)
