@@ -30,29 +30,39 @@ def summarize(base_ms: list[float], fork_ms: list[float]) -> dict:
                 speedup_median=statistics.median(ratios), speedup_q1=q1, speedup_q3=q3, pairs=len(ratios))
 
 
-def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
+def attention_call(name: str, T: int, B: int):
+    """-> (inputs, call): one eager NSA attention forward+backward of ``name``'s shape on random inputs."""
     import torch
-    from attention_checks import eager_fork, make_inputs
+    from attention_checks import make_inputs
     from profile_block import ATTN_CONFIGS, PAPER_P
 
-    from nsa_titan.kernels import nsa_attention, ops
+    from nsa_titan.kernels import nsa_attention
 
     torch.manual_seed(0)
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
     dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    forks_by_default = ops.eager_backward_forks(ins[0])
 
     def call():
         for x in ins:
             x.grad = None
         nsa_attention(*ins, PAPER_P)[0].backward(dout)
 
-    def sample(fork: bool, reps: int) -> float:
+    return ins, call
+
+
+def paired_samples(call, choice, budget_ms: float = 4000.0) -> tuple[list[float], list[float], int]:
+    """Time ``call`` under ``choice(False)`` and ``choice(True)`` (context managers) in alternating pairs, the order
+    swapped every pair, the L2 flushed before each sample of >= 20 ms (back-to-back calls where one is shorter).
+    -> (ms without, ms with, calls per sample)."""
+    import torch
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def sample(on: bool, reps: int) -> float:
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with eager_fork(fork):
+        with choice(on):
             start.record()
             for _ in range(reps):
                 call()
@@ -60,26 +70,37 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
+    for on in (False, True):
+        sample(on, 3)  # warm-up: compilation, autotuning, the side stream's first use
+    one = sample(False, 1)
+    reps = max(1, int(20 / one))
+    pairs = max(8, min(30, int(budget_ms / (2 * reps * one))))
+    off, on_ms = [], []
+    for i in range(pairs):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            (on_ms if on else off).append(sample(on, reps))
+    return off, on_ms, reps
+
+
+def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
+    from attention_checks import eager_fork
+
+    from nsa_titan.kernels import ops
+
+    ins, call = attention_call(name, T, B)
+    forks_by_default = ops.eager_backward_forks(ins[0])
     grads = []
     for fork in (False, True):
         with eager_fork(fork):
             call()
         grads.append([x.grad.clone() for x in ins])
-    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    same = all(a.equal(b) for a, b in zip(*grads))
     del grads
-    for fork in (False, True):
-        sample(fork, 3)  # warm-up: compilation, autotuning, the side stream's first use
-    one = sample(False, 1)
-    reps = max(1, int(20 / one))
-    pairs = max(8, min(30, int(budget_ms / (2 * reps * one))))
-    base, forked = [], []
-    for i in range(pairs):
-        for fork in ((False, True) if i % 2 == 0 else (True, False)):
-            (forked if fork else base).append(sample(fork, reps))
+    base, forked, reps = paired_samples(call, eager_fork, budget_ms)
     row = dict(config=name, T=T, B=B, q_values=ins[0].numel(), forks_by_default=forks_by_default,
                bitwise_same=same, reps_per_sample=reps, **summarize(base, forked))
     print(f"{name} T={T} B={B}: one stream {row['one_stream_ms']:.3f} -> forked {row['forked_ms']:.3f} ms; speed-up "
-          f"{row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}), {pairs} pairs x "
+          f"{row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}), {row['pairs']} pairs x "
           f"{reps}; gradients bitwise the same: {same}", flush=True)
     return row
 

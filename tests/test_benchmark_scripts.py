@@ -586,3 +586,40 @@ def test_eager_fork_forces_the_backward_s_stream_choice_and_restores_the_thresho
     with pytest.raises(RuntimeError), mod.eager_fork(True):
         raise RuntimeError
     assert ops.EAGER_FORK_VALUES == keep and ops.eager_backward_forks(large) and not ops.eager_backward_forks(small)
+
+
+def test_ab_walk_order_switches_the_tables_token_order_off_and_back_and_writes_its_table():
+    """benchmarks/ab_walk_order.py: off, the walk's table entry has no many_pairs shape (every launch in block order,
+    also at the largest launch); on and after (also after an error) the entry is as it was; the table row."""
+    pytest.importorskip("triton")
+    from nsa_titan.kernels import selected_bwd
+    from nsa_titan.kernels.tuned import TUNED
+
+    mod = _load_benchmark("ab_walk_order")
+    entry = dict(TUNED[mod.ENTRY])
+    big = 1 << 30
+    with mod.token_order(False):
+        assert selected_bwd.walk_shape(TUNED[mod.ENTRY], big, None).get("order", "blocks") == "blocks"
+    with pytest.raises(RuntimeError), mod.token_order(False):
+        raise RuntimeError
+    with mod.token_order(True):
+        assert selected_bwd.walk_shape(TUNED[mod.ENTRY], big, None)["order"] == "tokens"
+    assert TUNED[mod.ENTRY] == entry
+    row = dict(config="paper", T=32768, B=1, block_order_ms=42.685, token_order_ms=42.199, speedup_median=1.016,
+               speedup_q1=1.005, speedup_q3=1.022, pairs=30, reps_per_sample=1, grad_rel_diff=2e-7)
+    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", cases=[row]))
+    assert "| paper 32768 B=1 | 42.685 | 42.199 | 1.016 (1.005-1.022) | 30 x 1 | 2.0e-07 |" in md
+
+
+
+def test_profile_sel_bwd_table_sums_the_dq_kernels_and_names_the_cfg():
+    """benchmarks/profile_sel_bwd.py's table: the walk, the dQ kernels (from stored dS, recomputed or partials
+    summed) added up, the reduce (0 where it did not run), the cfg as JSON."""
+    mod = _load_benchmark("profile_sel_bwd")
+    rows = [dict(config="paper", T=65536, round=1, cfg={"order": "tokens"}, total_ms=26.5,
+                 kernels_ms={"_sel_bwd_dkdv": 15.9, "_sel_bwd_dq_ds_tokens": 8.0, "_sel_dq_sum": 0.25,
+                             "_rowdot": 0.7}),
+            dict(config="1b", T=8192, round=0, cfg={}, total_ms=0.75, kernels_ms={"_sel_bwd_dkdv": 0.45})]
+    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", rows=rows))
+    assert '| paper 65536 | 1 | `{"order": "tokens"}` | 26.50 | 15.90 | 8.25 | 0.00 |' in md
+    assert "| 1b 8192 | 0 | `{}` | 0.75 | 0.45 | 0.00 | 0.00 |" in md

@@ -370,6 +370,32 @@ def test_walk_token_order_runs_every_chunk_once_by_first_token_and_spare_program
             assert sorted(order[row].tolist()) == list(range(prog.shape[1]))
 
 
+def test_walk_takes_the_tables_token_order_from_its_pair_count_on_and_never_over_a_callers_chunking():
+    """selected_bwd.walk_shape (attempt 114): the G 16 / head dim 128 entry's many_pairs shape (token order, 64 tiles
+    per chunk) from its from_pairs count of one launch's pairs on, not below it, not where the caller's cfg names
+    order or chunk_tiles (a sweep's variant), and never in the returned option itself; other entries have none."""
+    pytest.importorskip("triton")
+    from nsa_titan.kernels.selected_bwd import walk_shape
+    from nsa_titan.kernels.tuned import TUNED
+
+    entry = TUNED[("sel_dkdv", 16, 128, False)]
+    at = entry["many_pairs"]["from_pairs"]
+    got = walk_shape(entry, at, None)
+    assert got["order"] == "tokens" and got["chunk_tiles"] == 64 and "many_pairs" not in got
+    assert walk_shape(entry, at, {"rows": 64})["order"] == "tokens"  # a cfg of other keys keeps the table's chunking
+    below = walk_shape(entry, at - 1, None)
+    assert "order" not in below and "chunk_tiles" not in below and "many_pairs" not in below
+    assert "order" not in walk_shape(entry, at, {"chunk_tiles": 8})
+    assert walk_shape(entry, at, {"order": "blocks"}).get("chunk_tiles") is None
+    assert "many_pairs" in entry  # the table itself is left as it was
+    for key in (("sel_dkdv", 8, 64, False), ("sel_dkdv", 8, 128, False)):
+        assert "order" not in walk_shape(TUNED[key], 1 << 30, None)
+    # The threshold's two measured sides (tuned.py): the paper config from 16k tokens (4 KV heads, dS unchunked) and
+    # the 1b at 64k reach it; the 1b at 32k (2^19 pairs) and the paper config at 8k do not.
+    n = 16
+    assert 4 * 16384 * n >= at and 65536 * n >= at and 32768 * n < at and 4 * 8192 * n < at
+
+
 def test_walk_order_cfg_is_checked_before_launching():
     """sel_dkdv's order is 'blocks' or 'tokens'; anything else is refused with both names."""
     pytest.importorskip("triton")

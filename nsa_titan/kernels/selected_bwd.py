@@ -195,12 +195,15 @@ def _sel_bwd_dkdv(Q, K, V, DO, LSE, DELTA, KEYS, OFF, COFF, PROG, ORD, POFF, DK_
 
 @triton.jit
 def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, BH0, LP: tl.constexpr, BS: tl.constexpr,
-                    RB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+                    RB: tl.constexpr, NC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                    DVP: tl.constexpr):
     """dK/dV of every block not written by _sel_bwd_dkdv: the sum of its chunks' partials in chunk order
-    (deterministic), or zeros for a block that no token selected. One program per RB of the block's BS rows:
-    block 0 (chosen by every token) has ~T*n/CH chunks, and with one program per block its serial sum was the
-    kernel's tail (H100, 1b at 8k: 0.106 ms for 128 programs). The (batch, KV head) pairs BH0 + program_id(1),
-    whose partials PK / PV hold from row 0 (one launch per chunk of pairs where the walk's dS is chunked)."""
+    (deterministic), or zeros for a block that no token selected.
+    One program per RB of the block's BS rows: block 0 (chosen by every token) has ~T*n/CH chunks, and with one
+    program per block its serial sum was the kernel's tail (H100, 1b at 8k: 0.106 ms for 128 programs); NC chunks'
+    loads in flight at once for the same reason (attempt 114: with the walk's short token-order chunks, one chunk
+    per step took 2.4 ms at the paper's 64k). The (batch, KV head) pairs BH0 + program_id(1), whose partials PK / PV
+    hold from row 0 (one launch per chunk of pairs where the walk's dS is chunked)."""
     blk, p_bh, rg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_bh = p_bh + BH0
     b, kv = (pid_bh // HKV).to(tl.int64), pid_bh % HKV
@@ -212,10 +215,12 @@ def _sel_bwd_reduce(PK, PV, COFF, POFF, DK_, DV_, T, NB, HKV, NPS, BH0, LP: tl.c
     acc_k = tl.zeros([RB, DKP], tl.float32)
     acc_v = tl.zeros([RB, DVP], tl.float32)
     n_add = nch * (nch > 1).to(tl.int32)
-    for c in range(0, n_add):
-        p_row = (p0 + c) * BS + sj[:, None]
-        acc_k += tl.load(PK + p_row * DKP + dk[None, :])
-        acc_v += tl.load(PV + p_row * DVP + dv[None, :])
+    for c in range(0, n_add, NC):
+        for i in tl.static_range(NC):  # NC independent loads per step, added in chunk order (masked ones add 0)
+            live = (sj * 0 + c + i) < n_add
+            p_row = (p0 + c + i) * BS + sj[:, None]
+            acc_k += tl.load(PK + p_row * DKP + dk[None, :], mask=live[:, None], other=0.0)
+            acc_v += tl.load(PV + p_row * DVP + dv[None, :], mask=live[:, None], other=0.0)
     s_pos = blk * LP + sj
     smask = ((sj < LP) & (s_pos < T) & ((sj * 0 + nch) != 1))[:, None]
     out_row = ((b * T + s_pos[:, None]) * HKV + kv)
@@ -276,6 +281,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
     bh = B * HKV
     per_chunk = min(bh, lq.get("ds_chunk") or bh) if algo == "ds" else bh
     chunked = per_chunk < bh  # the kernels' CHUNKED: their launches cover part of the pairs
+    lc = walk_shape(lc, per_chunk * T * n, cfg_dkdv)
     ch = bt * _chunk_tiles(per_chunk * T * n, bt, q.device, lc)  # each launch's programs fill the GPU
     keys, off, coff, poff, prog = block_pairs(block_idx, nb, ch, keys)
     # The walk's programs in token order (attempt 114; launch option order="tokens", TUNED's choice per shape).
@@ -300,7 +306,9 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
                 DOC=doc_start is not None, MASK_SPLIT=bool(lc.get("mask_split", False)),
                 I32=bool(lc["i32_rows"]) and fits_i32(q, T * HKV * n * G * max(DK, DV, slc_block)),
                 num_warps=lc["num_warps"], num_stages=lc["num_stages"], ORDERED=ordered)
-    rb = min(bs, 16 if q.device.type == "cuda" else 8)  # the interpreter's cases then have several row groups
+    cuda = q.device.type == "cuda"
+    rb = min(bs, 16 if cuda else 8)  # the interpreter's cases then have several row groups
+    nc = 8 if cuda else 2  # chunks summed per step (the interpreter's: some steps part-masked)
     for bh0 in range(0, bh, per_chunk):  # one pass unless dS is chunked; a static count, no host sync
         nbh, dsoff = min(per_chunk, bh - bh0), bh0 * T * n * G * slc_block  # dsoff: the chunk's first dS element
         run(_sel_bwd_dkdv, (prog.shape[1], nbh),
@@ -311,7 +319,7 @@ def sel_bwd_parts(do, q, k, v, o, lse, block_idx, slc_block: int, cfg_dq: dict |
             _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, dq_acc is not None, bh0, nbh, dsoff,
                         chunked)
         run(_sel_bwd_reduce, (nb, nbh, bs // rb), pk, pv, coff, poff, dk, dv, T, nb, HKV, nps, bh0, LP=slc_block,
-            BS=bs, RB=rb, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
+            BS=bs, RB=rb, NC=nc, DK=DK, DV=DV, DKP=dkp, DVP=dvp, num_warps=4)
     if algo == "partials":
         if not sum_dq:
             return dq, dk, dv, (dqp, block_idx)
@@ -337,6 +345,19 @@ def _dq_from_ds(k, dsb, block_idx, dq, lq, G, n, slc_block, bs, dkp, acc, bh0, n
                    lq["tma"] and bs == slc_block, dict(consts, NP=pow2(n), NT=lq["NT"], GR=_token_rows(G, lq["NT"])))
     else:
         launch_tma(_sel_bwd_dq_ds, (T, nbh), args, specs, lq["tma"] and bs == slc_block, dict(consts, NPI=lq["NPI"]))
+
+
+def walk_shape(lc: dict, pairs: int, cfg: dict | None) -> dict:
+    """The walk's launch option ``lc`` (selected._cfg's, with the table entry's ``many_pairs`` shape in it, if any)
+    for a launch over ``pairs`` (token, slot) pairs: the ``many_pairs`` shape from ``many_pairs["from_pairs"]`` on,
+    unless the caller's cfg names the chunking itself (order or chunk_tiles: a sweep's variant). Attempt 114: the
+    paper config's and the 1b's walk in token order with short chunks from 2^20 pairs per launch (the paper config
+    from 16k, the 1b at 64k); below that the sort and the partials cost what the shorter walk saves."""
+    lc = dict(lc)
+    many = lc.pop("many_pairs", None)
+    if many and pairs >= many["from_pairs"] and not {"order", "chunk_tiles"} & set(cfg or {}):
+        lc.update({k: v for k, v in many.items() if k != "from_pairs"})
+    return lc
 
 
 def _chunk_tiles(pairs: int, bt: int, device: torch.device, lc: dict) -> int:

@@ -110,7 +110,16 @@ TUNED: dict[tuple, dict] = {
     # 2.784 -> 2.882 at 32k). Its row arithmetic stays 64-bit: with i32_rows (attempt 95, on by default) the G 16 walk
     # ran slower, 1b 8k batch 2 0.931 -> 0.972 ms, paper 8k 1.984 -> 2.059 (ab_profile_i32_1b_qwen_paper_s26_*), where
     # m7c's walk gained 0.557 -> 0.521 and qwen7b's 2.200 -> 1.990.
-    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True, i32_rows=False),
+    # many_pairs (attempt 114, selected_bwd.walk_shape): from 2^20 pairs per launch the walk's chunks of 64 tiles (256
+    # pairs) in token order (pair_sort.chunk_token_order). H100, the whole selected backward's kernels (profiled, 2
+    # rounds, against this entry's block order): paper 8k 3.00 -> 2.94 ms, 16k 6.34 -> 6.12, 32k 12.81 -> 12.37, 64k
+    # 26.80 -> 26.14 (walk 17.36 -> 15.88, reduce 0.21 -> 0.90); 1b 32k 3.30 -> 3.27, 64k 6.73 -> 6.61; it loses at
+    # the 1b's 8k / 16k (0.755 -> 0.815, 1.63 -> 1.66: the order's sort and the partials). The whole attention's eager
+    # fwd+bwd, paired (ab_walk_order_s39_*): paper 64k 1.008x (IQR 0.979-1.024), 32k 1.016x (1.005-1.022), 1b 64k
+    # 1.001x, paper 8k 0.991x (4 x 131k pairs: below the threshold). Not for m7c / qwen7b (32k: 1.54 -> 1.58, 7.79 ->
+    # 7.88 ms).
+    ("sel_dkdv", 16, 128, False): dict(rows=64, num_warps=4, num_stages=3, mask_split=True, i32_rows=False,
+                                       many_pairs=dict(from_pairs=1 << 20, order="tokens", chunk_tiles=64)),
     # Token-centric forward and dQ recompute with K/V through tensor descriptors (selected.py, attempt 62), H100
     # batch 2 (sweep_selected_tma_s15_*), forward 8k / 32k: 1b 1.025 -> 0.967 / 4.335 -> 4.162 ms (one block per
     # step; two: 0.970 / 4.170), paper config 4.05 -> 3.65 / 17.41 -> 16.35. The whole selected backward with dQ
