@@ -623,3 +623,22 @@ def test_profile_sel_bwd_table_sums_the_dq_kernels_and_names_the_cfg():
     md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", rows=rows))
     assert '| paper 65536 | 1 | `{"order": "tokens"}` | 26.50 | 15.90 | 8.25 | 0.00 |' in md
     assert "| 1b 8192 | 0 | `{}` | 0.75 | 0.45 | 0.00 | 0.00 |" in md
+
+
+def test_ab_fla_refuses_bad_and_unsupported_cases_by_name_and_writes_the_paired_ratio():
+    """benchmarks/ab_fla.py: CONFIG:T:B cases, an unknown config or one fla-core cannot run (G 6) refused with the
+    reason before any GPU work; the table's ratio column is the per-pair median it is given."""
+    pytest.importorskip("triton")
+    mod = _load_benchmark("ab_fla")
+    bench = _load_benchmark("bench_attention")
+    assert mod.parse_cases("paper:65536:1,1b:8192:2", bench.CONFIGS) == [("paper", 65536, 1), ("1b", 8192, 2)]
+    with pytest.raises(SystemExit, match="CONFIG:T:B"):
+        mod.parse_cases("paper:65536", bench.CONFIGS)
+    with pytest.raises(SystemExit, match="unknown config 'gpt'"):
+        mod.parse_cases("gpt:8192:1", bench.CONFIGS)
+    with pytest.raises(SystemExit, match="power of 2 >= 16, here 6"):
+        mod.parse_cases("m7c:8192:1", bench.CONFIGS)
+    row = dict(config="paper", T=65536, B=1, nsa_ms=108.2, fla_ms=216.0, nsa_vs_fla=1.994, nsa_vs_fla_q1=1.981,
+               nsa_vs_fla_q3=2.01, pairs=18, reps_per_sample=1)
+    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", cases=[row]))
+    assert "| paper 65536 B=1 | 108.20 | 216.00 | 1.994x (1.981-2.010) | 18 x 1 |" in md
