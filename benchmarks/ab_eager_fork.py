@@ -121,24 +121,52 @@ def to_markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="paper:65536:1,paper:8192:1,1b:32768:1,m7c:32768:1,m7c:8192:2")
+def parse_cases(text: str, configs) -> list[tuple[str, int, int]]:
+    """"CONFIG:T:B,..." -> [(config, T, B)], each config one of ``configs`` (a bad case is refused by its form)."""
+    out = []
+    for case in text.split(","):
+        parts = case.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            raise SystemExit(f"--cases {case!r}: give CONFIG:T:B, e.g. paper:65536:1")
+        if parts[0] not in configs:
+            raise SystemExit(f"--cases {case!r}: unknown config {parts[0]!r}; choose from {sorted(configs)}")
+        out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out
+
+
+def ab_parser(doc: str, cases: str) -> argparse.ArgumentParser:
+    """The paired A/B scripts' options: --cases (CONFIG:T:B,..., default ``cases``), --tag, --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=cases)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
+    return ap
+
+
+def run_cases(a: argparse.Namespace, kind: str, cases: list, measure_fn, to_md, **header) -> None:
+    """The paired A/B scripts' loop: ``measure_fn(*case)`` (a row, or a list of rows) per case, the GPU's cache
+    emptied between cases, then <a.out>/<kind><a.tag>_<device>.json and .md (``to_md(payload)``); ``header`` goes
+    into the JSON beside the device, versions, date and the rows (key ``cases``)."""
     import torch
     from attention_checks import run_header, write_results
 
+    rows = []
+    for case in cases:
+        got = measure_fn(*case)
+        rows += got if isinstance(got, list) else [got]
+        torch.cuda.empty_cache()
+    payload = run_header(**header, cases=rows)
+    write_results(a.out, f"{kind}{a.tag}_" + payload["device"].replace(" ", "_"), payload, to_md(payload))
+
+
+def main():
+    a = ab_parser(__doc__, "paper:65536:1,paper:8192:1,1b:32768:1,m7c:32768:1,m7c:8192:2").parse_args()
+    from profile_block import ATTN_CONFIGS
+
     from nsa_titan.kernels import ops
 
-    rows = []
-    for case in a.cases.split(","):
-        name, T, B = case.split(":")
-        rows.append(measure(name, int(T), int(B)))
-        torch.cuda.empty_cache()
-    payload = run_header(threshold=ops.EAGER_FORK_VALUES, cases=rows)
-    write_results(a.out, f"ab_eager_fork{a.tag}_" + payload["device"].replace(" ", "_"), payload, to_markdown(payload))
+    run_cases(a, "ab_eager_fork", parse_cases(a.cases, ATTN_CONFIGS), measure, to_markdown,
+              threshold=ops.EAGER_FORK_VALUES)
 
 
 if __name__ == "__main__":

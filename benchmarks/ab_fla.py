@@ -14,7 +14,6 @@ cannot run (G not a power of 2 >= 16) are refused up front. Writes ab_fla<tag>_<
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -24,20 +23,15 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 
 def parse_cases(text: str, configs: dict) -> list[tuple[str, int, int]]:
-    """"CONFIG:T:B,..." -> [(config, T, B)]; unknown configs and ones fla-core cannot run are refused by name."""
+    """ab_eager_fork.parse_cases, and a config fla-core cannot run is refused with the reason."""
+    from ab_eager_fork import parse_cases as cases_of
     from attention_timing import fla_unsupported
 
-    out = []
-    for case in text.split(","):
-        parts = case.split(":")
-        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-            raise SystemExit(f"--cases {case!r}: give CONFIG:T:B, e.g. paper:65536:1")
-        if parts[0] not in configs:
-            raise SystemExit(f"--cases {case!r}: unknown config {parts[0]!r}; choose from {sorted(configs)}")
-        why = fla_unsupported(configs[parts[0]])
+    out = cases_of(text, configs)
+    for name, T, B in out:
+        why = fla_unsupported(configs[name])
         if why:
-            raise SystemExit(f"--cases {case!r}: fla-core's parallel_nsa is {why}")
-        out.append((parts[0], int(parts[1]), int(parts[2])))
+            raise SystemExit(f"--cases {name}:{T}:{B}: fla-core's parallel_nsa is {why}")
     return out
 
 
@@ -99,27 +93,16 @@ def to_markdown(payload: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="paper:65536:1,paper:32768:1")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
+    from ab_eager_fork import ab_parser, run_cases
+    from attention_timing import load_fla
     from bench_attention import CONFIGS
 
+    a = ab_parser(__doc__, "paper:65536:1,paper:32768:1").parse_args()
     cases = parse_cases(a.cases, CONFIGS)
-    import torch
-    from attention_checks import run_header, write_results
-    from attention_timing import load_fla
-
     fla_nsa = load_fla()
     if fla_nsa is None:
         raise SystemExit("fla-core's parallel_nsa is not importable: install the fla-core wheel (NOTES_kernels.md)")
-    rows = []
-    for name, T, B in cases:
-        rows.append(measure(fla_nsa, name, CONFIGS[name], T, B))
-        torch.cuda.empty_cache()
-    payload = run_header(cases=rows)
-    write_results(a.out, f"ab_fla{a.tag}_" + payload["device"].replace(" ", "_"), payload, to_markdown(payload))
+    run_cases(a, "ab_fla", cases, lambda name, T, B: measure(fla_nsa, name, CONFIGS[name], T, B), to_markdown)
 
 
 if __name__ == "__main__":

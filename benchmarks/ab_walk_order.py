@@ -12,7 +12,6 @@ is reported. Writes ab_walk_order<tag>_<device>.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -80,22 +79,11 @@ def to_markdown(payload: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="paper:65536:1,paper:32768:1,paper:16384:1,1b:65536:1")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
-    import torch
-    from attention_checks import run_header, write_results
+    from ab_eager_fork import ab_parser, parse_cases, run_cases
+    from profile_block import ATTN_CONFIGS
 
-    rows = []
-    for case in a.cases.split(","):
-        name, T, B = case.split(":")
-        rows.append(measure(name, int(T), int(B)))
-        torch.cuda.empty_cache()
-    payload = run_header(cases=rows)
-    write_results(a.out, f"ab_walk_order{a.tag}_" + payload["device"].replace(" ", "_"), payload,
-                  to_markdown(payload))
+    a = ab_parser(__doc__, "paper:65536:1,paper:32768:1,paper:16384:1,1b:65536:1").parse_args()
+    run_cases(a, "ab_walk_order", parse_cases(a.cases, ATTN_CONFIGS), measure, to_markdown)
 
 
 if __name__ == "__main__":

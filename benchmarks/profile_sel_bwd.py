@@ -11,7 +11,6 @@ profile_sel_bwd<tag>_<device>.json and .md (the total and the five largest kerne
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -69,7 +68,7 @@ def to_markdown(payload: dict) -> str:
              "`benchmarks/profile_sel_bwd.py`: GPU ms per call (torch.profiler, 3 calls), batch 1, random inputs; "
              "cfg = selected_bwd.sel_bwd's cfg_dkdv ({} = tuned.py's choice).", "",
              "| case | round | cfg | total ms | walk | dQ | reduce |", "|---|---|---|---|---|---|---|"]
-    for r in payload["rows"]:
+    for r in payload["cases"]:
         k = r["kernels_ms"]
         dq = sum(v for n, v in k.items() if n.startswith(("_sel_bwd_dq", "_sel_dq_sum")))
         lines.append(f"| {r['config']} {r['T']} | {r['round']} | `{json.dumps(r['cfg'])}` | {r['total_ms']:.2f} | "
@@ -78,27 +77,20 @@ def to_markdown(payload: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="paper:65536,paper:32768,1b:65536")
+    from ab_eager_fork import ab_parser, parse_cases, run_cases
+    from profile_block import ATTN_CONFIGS
+
+    ap = ab_parser(__doc__, "paper:65536,paper:32768,1b:65536")  # CONFIG:T here: batch 1
     ap.add_argument("--variants", nargs="+", default=["{}", '{"order": "tokens", "chunk_tiles": 64}'])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args()
     variants = [json.loads(v) for v in a.variants]
     if not all(isinstance(v, dict) for v in variants):
         ap.error("--variants: give each as a JSON object, e.g. '{}' or '{\"order\": \"tokens\"}'")
-    import torch
-    from attention_checks import run_header, write_results
-
-    rows = []
-    for case in a.cases.split(","):
-        name, T = case.split(":")
-        rows += case_rows(name, int(T), variants, a.rounds)
-        torch.cuda.empty_cache()
-    payload = run_header(rows=rows)
-    write_results(a.out, f"profile_sel_bwd{a.tag}_" + payload["device"].replace(" ", "_"), payload,
-                  to_markdown(payload))
+    if bad := [c for c in a.cases.split(",") if c.count(":") != 1]:
+        ap.error(f"--cases {bad}: give CONFIG:T (batch 1), e.g. paper:65536")
+    cases = parse_cases(",".join(c + ":1" for c in a.cases.split(",")), ATTN_CONFIGS)
+    run_cases(a, "profile_sel_bwd", cases, lambda name, T, B: case_rows(name, T, variants, a.rounds), to_markdown)
 
 
 if __name__ == "__main__":

@@ -620,7 +620,7 @@ def test_profile_sel_bwd_table_sums_the_dq_kernels_and_names_the_cfg():
                  kernels_ms={"_sel_bwd_dkdv": 15.9, "_sel_bwd_dq_ds_tokens": 8.0, "_sel_dq_sum": 0.25,
                              "_rowdot": 0.7}),
             dict(config="1b", T=8192, round=0, cfg={}, total_ms=0.75, kernels_ms={"_sel_bwd_dkdv": 0.45})]
-    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", rows=rows))
+    md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", cases=rows))
     assert '| paper 65536 | 1 | `{"order": "tokens"}` | 26.50 | 15.90 | 8.25 | 0.00 |' in md
     assert "| 1b 8192 | 0 | `{}` | 0.75 | 0.45 | 0.00 | 0.00 |" in md
 
