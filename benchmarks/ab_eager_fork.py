@@ -20,14 +20,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-def summarize(base_ms: list[float], fork_ms: list[float]) -> dict:
-    """Per-pair speed-ups (one stream / forked) -> their median and quartiles, with both medians."""
+
+def summarize(base_ms: list[float], fork_ms: list[float], names: tuple[str, str] = ("one_stream", "forked")) -> dict:
+    """Per-pair speed-ups (base / other) -> their median and quartiles, with both medians as <names[0]>_ms and
+    <names[1]>_ms (this script's: one stream, forked)."""
     if len(base_ms) != len(fork_ms) or len(base_ms) < 2:
         raise ValueError(f"need >= 2 pairs of samples, got {len(base_ms)} and {len(fork_ms)}")
     ratios = [b / f for b, f in zip(base_ms, fork_ms)]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return dict(one_stream_ms=statistics.median(base_ms), forked_ms=statistics.median(fork_ms),
-                speedup_median=statistics.median(ratios), speedup_q1=q1, speedup_q3=q3, pairs=len(ratios))
+    return {f"{names[0]}_ms": statistics.median(base_ms), f"{names[1]}_ms": statistics.median(fork_ms),
+            "speedup_median": statistics.median(ratios), "speedup_q1": q1, "speedup_q3": q3, "pairs": len(ratios)}
 
 
 def attention_call(name: str, T: int, B: int):

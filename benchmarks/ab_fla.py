@@ -69,8 +69,8 @@ def measure(fla_nsa, name: str, cfg: dict, T: int, B: int, budget_ms: float = 60
             state["fla"] = False
 
     nsa_ms, fla_ms, reps = paired_samples(call, fla_side, budget_ms)
-    s = summarize(fla_ms, nsa_ms)  # per-pair fla / NSA
-    row = dict(config=name, T=T, B=B, nsa_ms=s["forked_ms"], fla_ms=s["one_stream_ms"], nsa_vs_fla=s["speedup_median"],
+    s = summarize(fla_ms, nsa_ms, ("fla", "nsa"))  # per-pair fla / NSA
+    row = dict(config=name, T=T, B=B, nsa_ms=s["nsa_ms"], fla_ms=s["fla_ms"], nsa_vs_fla=s["speedup_median"],
                nsa_vs_fla_q1=s["speedup_q1"], nsa_vs_fla_q3=s["speedup_q3"], pairs=s["pairs"], reps_per_sample=reps)
     print(f"{name} T={T} B={B}: NSA {row['nsa_ms']:.2f} ms, fla {row['fla_ms']:.2f} ms; NSA vs fla "
           f"{row['nsa_vs_fla']:.3f}x (IQR {row['nsa_vs_fla_q1']:.3f}-{row['nsa_vs_fla_q3']:.3f}), {row['pairs']} pairs",

@@ -52,11 +52,8 @@ def measure(name: str, T: int, B: int, budget_ms: float = 3000.0) -> dict:
                for a, b in zip(*grads))
     del grads
     block, token, reps = paired_samples(call, token_order, budget_ms)
-    s = summarize(block, token)
-    row = dict(config=name, T=T, B=B, threshold_pairs=TUNED[ENTRY]["many_pairs"]["from_pairs"],
-               block_order_ms=s["one_stream_ms"], token_order_ms=s["forked_ms"], speedup_median=s["speedup_median"],
-               speedup_q1=s["speedup_q1"], speedup_q3=s["speedup_q3"], pairs=s["pairs"], reps_per_sample=reps,
-               grad_rel_diff=diff)
+    row = dict(config=name, T=T, B=B, threshold_pairs=TUNED[ENTRY]["many_pairs"]["from_pairs"], reps_per_sample=reps,
+               grad_rel_diff=diff, **summarize(block, token, ("block_order", "token_order")))
     print(f"{name} T={T} B={B}: block order {row['block_order_ms']:.3f} -> token order {row['token_order_ms']:.3f} ms; "
           f"speed-up {row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}); gradients "
           f"differ by {diff:.1e}", flush=True)
