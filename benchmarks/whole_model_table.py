@@ -5,7 +5,8 @@
 
 Each JSON holds NSA variants (``triton_compile``, ``torch_compile``, ``*_cg``) and a dense one measured in the
 same command on the same GPU; every NSA variant is divided by the dense variant of the same compile mode
-(``dense_compile`` for plain compile, ``dense_compile_cg`` for CUDA graphs; the plain one when only it ran).
+(``dense_compile`` for plain compile, ``dense_compile_cg`` for CUDA graphs, ``dense_compile_sg`` for the step
+graph; the plain one when only it ran).
 Tokens/s are the last log window's (steady state: the first steps compile and record CUDA graphs).
 A command of several rounds (``bench_train.py --rounds``) gives each variant's median tokens/s, and the ratio is
 the median of the rounds' own NSA / dense ratios (NSA and dense of one round ran back to back), with their range.
@@ -44,8 +45,11 @@ def nsa_dense_pairs(result: dict) -> list[tuple[str, list[dict], list[dict]]]:
     for r in result["rows"]:
         if "error" not in r:
             by[r["variant"]].append(r)
-    return [(name, rows, by.get("dense_compile_cg" if name.endswith("_cg") else "dense_compile") or
-             by.get("dense_compile", [])) for name, rows in by.items() if not name.startswith("dense")]
+    def same_mode(name: str) -> str:  # the CUDA-graph and step-graph variants end in their mode's suffix
+        return next((f"dense_compile{s}" for s in ("_cg", "_sg") if name.endswith(s)), "dense_compile")
+
+    return [(name, rows, by.get(same_mode(name)) or by.get("dense_compile", []))
+            for name, rows in by.items() if not name.startswith("dense")]
 
 
 def ratio_rows(result: dict) -> list[dict]:

@@ -153,6 +153,11 @@ def test_whole_model_table_judges_a_target_only_against_a_dense_run():
     md = mod.markdown(alone + paired, dict(device="H100", torch="t", triton="x"))
     assert md.count(">= 1.0 (no dense run)") == 2 and "missed | 7.5 | - | paths" not in md
     assert "| 0.8333 | >= 1.0 missed |" in md and "| 1.0270 | >= 1.0 met |" in md
+    # The step graph (compile.step_graph) is its own mode: its NSA run is divided by the dense step-graph run.
+    graphs = mod.ratio_rows(dict(tag="sg", rows=[row("triton_compile_cg", 350e3), row("dense_compile_cg", 368e3),
+                                                 row("triton_compile_sg", 352e3), row("dense_compile_sg", 320e3)]))
+    assert [(r["variant"], r["dense_variant"], r["ratio"]) for r in graphs] == [
+        ("triton_compile_cg", "dense_compile_cg", 350 / 368), ("triton_compile_sg", "dense_compile_sg", 352 / 320)]
     # Four decimals: a ratio just under the target does not print as the target.
     close = mod.ratio_rows(dict(tag="close", rows=[row("triton_compile_cg", 366.8e3), row("dense_compile_cg", 367e3)]))
     assert "| 0.9995 | >= 1.0 missed | 1 |" in mod.markdown(close, dict(device="H100", torch="t", triton="x"))
