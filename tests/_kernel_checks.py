@@ -19,6 +19,7 @@ from _kernel_checks_band import (
     _add_splits_balanced_check,
     _band_dq2_check,
     _band_dq2_partials_check,
+    _band_dq_atomic_check,
     _band_split_check,
     _band_tma_check,
     _decode_fused_check,
@@ -173,6 +174,7 @@ CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_che
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check),
+          ("band_dq_atomic", _band_dq_atomic_check),
           ("add_splits_balanced", _add_splits_balanced_check), ("band_tma", _band_tma_check),
           ("band_dq2", _band_dq2_check), ("band_dq2_partials", _band_dq2_partials_check),
           ("decode_fused", _decode_fused_check), ("pair_sort", _pair_sort_check))

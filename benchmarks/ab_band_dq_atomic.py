@@ -1,0 +1,129 @@
+"""The compressed branch's dQ by atomics inside its dK/dV kernel against the deterministic dQ pass, paired, one GPU.
+
+    python benchmarks/ab_band_dq_atomic.py --cases paper:65536:1,1b:65536:1 [--tag _x] [--out DIR]
+
+Attempt 116. The band backward as the model runs it (ops.nsa_bwd) does the compressed branch in seven matmul
+units: its dK/dV kernel (S, dP, dV, dK) and, inside band_dq2 beside the window's, a dQ pass that recomputes S and dP
+before dQ = dS K. With ``band_bwd(..., dq_atomic=buf)`` the dK/dV kernel adds dS K into an fp32 buffer by atomics
+(FlashAttention's five units); the order of those additions varies from run to run. Timed here, each in
+alternating pairs (ab_eager_fork.paired_samples: L2 flushed, order swapped every pair, median of per-pair ratios):
+
+- ``deterministic``: compressed dK/dV, then band_dq2 over the window's and the compressed keys (today's calls);
+- ``atomic``: zero the fp32 buffer, compressed dK/dV with atomic dQ, the window's dQ pass, and the buffer added
+  into dQ (a torch add: a model would fold the buffer into the window's dQ store instead, so this is the upper
+  bound of its cost);
+- ``atomic_nofold``: the same without the final add (the lower bound).
+
+It checks that dK/dV are the same bits both ways and reports dQ's relative difference. Inputs: make_inputs' random
+tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+VARIANTS = ("atomic", "atomic_nofold")
+
+
+def band_backward_calls(name: str, T: int, B: int) -> tuple[dict, dict]:
+    """-> (calls, outputs): ``calls[variant]()`` runs the compressed and window branches' backward of ``name``'s
+    shape one way ("deterministic", "atomic", "atomic_nofold"), writing into ``outputs`` (dq, dk, dv)."""
+    import torch
+    from attention_checks import make_inputs
+    from profile_block import ATTN_CONFIGS, PAPER_P
+
+    from nsa_titan.kernels import band, band_bwd, band_dq2
+    from nsa_titan.kernels.combine import rowdot
+
+    torch.manual_seed(0)
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    p = PAPER_P
+    q, kc, vc, _ks, _vs, kw, vw, _g = make_inputs(B, T, HQ, HKV, DK, DV, p)
+    do = torch.randn(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    cmp = (p.cmp_stride, p.cmp_block - 1, 0)
+    win = (1, 0, p.window)
+    oc, lc = band.band_fwd(q, kc, vc, *cmp)
+    ow, lw = band.band_fwd(q, kw, vw, *win)
+    dc, dw = rowdot(do, oc), rowdot(do, ow)
+    out = dict(dq=torch.empty_like(q), dk=torch.empty_like(kc), dv=torch.empty_like(vc))
+    buf = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    def deterministic():
+        band_bwd.band_bwd(do, q, kc, vc, oc, lc, *cmp, delta=dc, parts="dkdv", dkv_out=(out["dk"], out["dv"]))
+        band_dq2.band_dq2(do, q, (kw, vw, lw, dw, *win), (kc, vc, lc, dc, *cmp), out["dq"], acc=False)
+
+    def atomic(fold: bool = True):
+        buf.zero_()
+        band_bwd.band_bwd(do, q, kc, vc, oc, lc, *cmp, delta=dc, parts="dkdv", dkv_out=(out["dk"], out["dv"]),
+                          dq_atomic=buf)
+        dq, _, _ = band_bwd.band_bwd(do, q, kw, vw, ow, lw, *win, delta=dw, parts="dq")
+        if fold:
+            out["dq"] = dq.add_(buf)
+
+    return dict(deterministic=deterministic, atomic=atomic, atomic_nofold=lambda: atomic(False)), out
+
+
+def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
+    import torch
+    from ab_eager_fork import paired_samples, summarize
+    from attention_checks import rel
+
+    calls, out = band_backward_calls(name, T, B)
+    calls["deterministic"]()
+    want = {k: v.clone() for k, v in out.items()}
+    calls["atomic"]()
+    same_dkdv = torch.equal(want["dk"], out["dk"]) and torch.equal(want["dv"], out["dv"])
+    dq_diff = rel(out["dq"], want["dq"])
+    del want
+    rows = []
+    for variant in VARIANTS:
+        mode = {"on": False}
+
+        @contextlib.contextmanager
+        def choice(on: bool, mode=mode):
+            mode["on"] = on
+            yield
+
+        def call(variant=variant, mode=mode):
+            calls[variant if mode["on"] else "deterministic"]()
+
+        base, other, reps = paired_samples(call, choice, budget_ms)
+        row = dict(config=name, T=T, B=B, variant=variant, dkdv_same_bits=same_dkdv, dq_rel_diff=dq_diff,
+                   reps_per_sample=reps, **summarize(base, other, ("deterministic", "atomic")))
+        print(f"{name} T={T} B={B}: deterministic {row['deterministic_ms']:.3f} -> {variant} {row['atomic_ms']:.3f} "
+              f"ms; speed-up {row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}); "
+              f"dK/dV same bits {same_dkdv}, dQ rel. diff {dq_diff:.1e}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def to_markdown(payload: dict) -> str:
+    lines = [f"# Compressed dQ by atomics in its dK/dV kernel against the dQ pass: {payload['device']}", "",
+             f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; "
+             "`benchmarks/ab_band_dq_atomic.py` (attempt 116): the compressed and window branches' backward, median "
+             "of per-pair speed-ups (deterministic / atomic) over alternating pairs of samples. `atomic` adds the fp32 "
+             "buffer into dQ with a torch add (upper bound), `atomic_nofold` leaves it (lower bound).", "",
+             "| case | variant | deterministic ms | atomic ms | speed-up (IQR) | pairs x calls | dK/dV same bits | "
+             "dQ rel. diff |", "|---|---|---|---|---|---|---|---|"]
+    for r in payload["cases"]:
+        lines.append(f"| {r['config']} {r['T']} B={r['B']} | {r['variant']} | {r['deterministic_ms']:.3f} | "
+                     f"{r['atomic_ms']:.3f} | {r['speedup_median']:.3f} ({r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}) "
+                     f"| {r['pairs']} x {r['reps_per_sample']} | {r['dkdv_same_bits']} | {r['dq_rel_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    from ab_eager_fork import ab_parser, parse_cases, run_cases
+    from profile_block import ATTN_CONFIGS
+
+    a = ab_parser(__doc__, "paper:65536:1,1b:65536:1").parse_args()
+    run_cases(a, "ab_band_dq_atomic", parse_cases(a.cases, ATTN_CONFIGS), measure, to_markdown)
+
+
+if __name__ == "__main__":
+    main()
