@@ -12,7 +12,8 @@ alternating pairs (ab_eager_fork.paired_samples: L2 flushed, order swapped every
 - ``atomic``: zero the fp32 buffer, compressed dK/dV with atomic dQ, the window's dQ pass, and the buffer added
   into dQ (a torch add: a model would fold the buffer into the window's dQ store instead, so this is the upper
   bound of its cost);
-- ``atomic_nofold``: the same without the final add (the lower bound).
+- ``atomic_nofold``: the same without the final add (the lower bound);
+- ``atomic_r128``: ``atomic`` with the compressed dK/dV at 128 query rows x 64 keys (VARIANTS says why).
 
 It checks that dK/dV are the same bits both ways and reports dQ's relative difference. Inputs: make_inputs' random
 tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<device>.json and .md.
@@ -21,18 +22,24 @@ tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<dev
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-VARIANTS = ("atomic", "atomic_nofold")
+# variant -> (fold the buffer into dQ, the compressed dK/dV's launch shape: None = tuned.py's). The tuned G 16 shape
+# (64 rows, 128-key tiles, 8 warps, keys as MMA rows) spills with the fifth MMA (sm_90 offline, Triton 3.6: stack
+# 64 -> 368 B at the 1b, 176 -> 328 at the paper's two KV heads); 128 rows x 64 keys with queries as MMA rows spills
+# least (0 -> 232 / 160 B) but adds twice the atomic traffic per FLOP of 128-key tiles.
+R128 = dict(rows=128, BK=64, num_warps=8, num_stages=2, split=False, keys_rows=False, balanced=True, balanced_cap=True)
+VARIANTS = {"atomic": (True, None), "atomic_nofold": (False, None), "atomic_r128": (True, R128)}
 
 
 def band_backward_calls(name: str, T: int, B: int) -> tuple[dict, dict]:
     """-> (calls, outputs): ``calls[variant]()`` runs the compressed and window branches' backward of ``name``'s
-    shape one way ("deterministic", "atomic", "atomic_nofold"), writing into ``outputs`` (dq, dk, dv)."""
+    shape one way ("deterministic" or one of VARIANTS), writing into ``outputs`` (dq, dk, dv)."""
     import torch
     from attention_checks import make_inputs
     from profile_block import ATTN_CONFIGS, PAPER_P
@@ -57,15 +64,16 @@ def band_backward_calls(name: str, T: int, B: int) -> tuple[dict, dict]:
         band_bwd.band_bwd(do, q, kc, vc, oc, lc, *cmp, delta=dc, parts="dkdv", dkv_out=(out["dk"], out["dv"]))
         band_dq2.band_dq2(do, q, (kw, vw, lw, dw, *win), (kc, vc, lc, dc, *cmp), out["dq"], acc=False)
 
-    def atomic(fold: bool = True):
+    def atomic(fold: bool, cfg: dict | None):
         buf.zero_()
         band_bwd.band_bwd(do, q, kc, vc, oc, lc, *cmp, delta=dc, parts="dkdv", dkv_out=(out["dk"], out["dv"]),
-                          dq_atomic=buf)
+                          dq_atomic=buf, cfg_dkdv=cfg)
         dq, _, _ = band_bwd.band_bwd(do, q, kw, vw, ow, lw, *win, delta=dw, parts="dq")
         if fold:
             out["dq"] = dq.add_(buf)
 
-    return dict(deterministic=deterministic, atomic=atomic, atomic_nofold=lambda: atomic(False)), out
+    calls = {name: functools.partial(atomic, fold, cfg) for name, (fold, cfg) in VARIANTS.items()}
+    return dict(deterministic=deterministic, **calls), out
 
 
 def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
@@ -76,12 +84,11 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
     calls, out = band_backward_calls(name, T, B)
     calls["deterministic"]()
     want = {k: v.clone() for k, v in out.items()}
-    calls["atomic"]()
-    same_dkdv = torch.equal(want["dk"], out["dk"]) and torch.equal(want["dv"], out["dv"])
-    dq_diff = rel(out["dq"], want["dq"])
-    del want
     rows = []
-    for variant in VARIANTS:
+    for variant, (fold, cfg) in VARIANTS.items():
+        calls[variant]()  # dK/dV of the tuned shape: the same bits as the deterministic call's
+        same_dkdv = torch.equal(want["dk"], out["dk"]) and torch.equal(want["dv"], out["dv"]) if cfg is None else None
+        dq_diff = rel(out["dq"], want["dq"]) if fold else None
         mode = {"on": False}
 
         @contextlib.contextmanager
@@ -97,9 +104,14 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
                    reps_per_sample=reps, **summarize(base, other, ("deterministic", "atomic")))
         print(f"{name} T={T} B={B}: deterministic {row['deterministic_ms']:.3f} -> {variant} {row['atomic_ms']:.3f} "
               f"ms; speed-up {row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-{row['speedup_q3']:.3f}); "
-              f"dK/dV same bits {same_dkdv}, dQ rel. diff {dq_diff:.1e}", flush=True)
+              f"dK/dV same bits {same_dkdv}, dQ rel. diff {dq_diff}", flush=True)
         rows.append(row)
+    del want
     return rows
+
+
+def _or_dash(x, fmt: str = "{}") -> str:
+    return "-" if x is None else fmt.format(x)
 
 
 def to_markdown(payload: dict) -> str:
@@ -107,13 +119,16 @@ def to_markdown(payload: dict) -> str:
              f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; "
              "`benchmarks/ab_band_dq_atomic.py` (attempt 116): the compressed and window branches' backward, median "
              "of per-pair speed-ups (deterministic / atomic) over alternating pairs of samples. `atomic` adds the fp32 "
-             "buffer into dQ with a torch add (upper bound), `atomic_nofold` leaves it (lower bound).", "",
+             "buffer into dQ with a torch add (upper bound), `atomic_nofold` leaves it (lower bound), `atomic_r128` "
+             "runs the compressed dK/dV at 128 query rows x 64 keys; dK/dV's bits compared for the tuned shape only.",
+             "",
              "| case | variant | deterministic ms | atomic ms | speed-up (IQR) | pairs x calls | dK/dV same bits | "
              "dQ rel. diff |", "|---|---|---|---|---|---|---|---|"]
     for r in payload["cases"]:
         lines.append(f"| {r['config']} {r['T']} B={r['B']} | {r['variant']} | {r['deterministic_ms']:.3f} | "
                      f"{r['atomic_ms']:.3f} | {r['speedup_median']:.3f} ({r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}) "
-                     f"| {r['pairs']} x {r['reps_per_sample']} | {r['dkdv_same_bits']} | {r['dq_rel_diff']:.1e} |")
+                     f"| {r['pairs']} x {r['reps_per_sample']} | {_or_dash(r['dkdv_same_bits'])} | "
+                     f"{_or_dash(r['dq_rel_diff'], '{:.1e}')} |")
     return "\n".join(lines) + "\n"
 
 
