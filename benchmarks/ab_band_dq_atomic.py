@@ -13,7 +13,8 @@ alternating pairs (ab_eager_fork.paired_samples: L2 flushed, order swapped every
   into dQ (a torch add: a model would fold the buffer into the window's dQ store instead, so this is the upper
   bound of its cost);
 - ``atomic_nofold``: the same without the final add (the lower bound);
-- ``atomic_r128``: ``atomic`` with the compressed dK/dV at 128 query rows x 64 keys (VARIANTS says why).
+- ``atomic_r128``, ``atomic_r32``: ``atomic`` with the compressed dK/dV at 128 query rows x 64 keys, or 32 x 128
+  (VARIANTS says why).
 
 It checks that dK/dV are the same bits both ways and reports dQ's relative difference. Inputs: make_inputs' random
 tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<device>.json and .md.
@@ -33,8 +34,12 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 # (64 rows, 128-key tiles, 8 warps, keys as MMA rows) spills with the fifth MMA (sm_90 offline, Triton 3.6: stack
 # 64 -> 368 B at the 1b, 176 -> 328 at the paper's two KV heads); 128 rows x 64 keys with queries as MMA rows spills
 # least (0 -> 232 / 160 B) but adds twice the atomic traffic per FLOP of 128-key tiles.
+# 32 rows x 128 keys with keys as MMA rows spills nowhere (242 registers at the 1b, 255 at the paper), its dQ MMA
+# (M = 32) as mma.sync, and keeps the 128-key tiles' atomic traffic.
 R128 = dict(rows=128, BK=64, num_warps=8, num_stages=2, split=False, keys_rows=False, balanced=True, balanced_cap=True)
-VARIANTS = {"atomic": (True, None), "atomic_nofold": (False, None), "atomic_r128": (True, R128)}
+R32 = dict(rows=32, BK=128, num_warps=8, num_stages=3, split=False, keys_rows=True, balanced=True, balanced_cap=True)
+VARIANTS = {"atomic": (True, None), "atomic_nofold": (False, None), "atomic_r128": (True, R128),
+            "atomic_r32": (True, R32)}
 
 
 def band_backward_calls(name: str, T: int, B: int) -> tuple[dict, dict]:
@@ -119,8 +124,9 @@ def to_markdown(payload: dict) -> str:
              f"torch {payload['torch']}, triton {payload['triton']}, {payload['date']}; "
              "`benchmarks/ab_band_dq_atomic.py` (attempt 116): the compressed and window branches' backward, median "
              "of per-pair speed-ups (deterministic / atomic) over alternating pairs of samples. `atomic` adds the fp32 "
-             "buffer into dQ with a torch add (upper bound), `atomic_nofold` leaves it (lower bound), `atomic_r128` "
-             "runs the compressed dK/dV at 128 query rows x 64 keys; dK/dV's bits compared for the tuned shape only.",
+             "buffer into dQ with a torch add (upper bound), `atomic_nofold` leaves it (lower bound), `atomic_r128` / "
+             "`atomic_r32` run the compressed dK/dV at 128 query rows x 64 keys / 32 x 128; dK/dV's bits compared for "
+             "the tuned shape only.",
              "",
              "| case | variant | deterministic ms | atomic ms | speed-up (IQR) | pairs x calls | dK/dV same bits | "
              "dQ rel. diff |", "|---|---|---|---|---|---|---|---|"]
