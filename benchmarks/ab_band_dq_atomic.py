@@ -14,7 +14,10 @@ alternating pairs (ab_eager_fork.paired_samples: L2 flushed, order swapped every
   bound of its cost);
 - ``atomic_nofold``: the same without the final add (the lower bound);
 - ``atomic_r128``, ``atomic_r32``: ``atomic`` with the compressed dK/dV at 128 query rows x 64 keys, or 32 x 128
-  (VARIANTS says why).
+  (VARIANTS says why);
+- ``attention``: the whole NSA attention's eager forward+backward with the model's ``deterministic_backward`` on
+  and off (``nsa_attention(..., dq_atomic=)``: the buffer folded into the window's dQ pass, which waits for the
+  side stream's dK/dV); its "same bits" column covers every gradient but dQ.
 
 It checks that dK/dV are the same bits both ways and reports dQ's relative difference. Inputs: make_inputs' random
 tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<device>.json and .md.
@@ -112,7 +115,54 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
               f"dK/dV same bits {same_dkdv}, dQ rel. diff {dq_diff}", flush=True)
         rows.append(row)
     del want
+    calls.clear()  # the band inputs go before the whole attention allocates its own
+    out.clear()
+    torch.cuda.empty_cache()
+    rows.append(measure_attention(name, T, B, budget_ms))
     return rows
+
+
+def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
+    """The whole NSA attention, eager forward+backward, with the model's deterministic_backward on and off (ops.
+    nsa_bwd: the buffer folded into the window's dQ pass, band_dq2 waiting for the side stream's dK/dV)."""
+    import torch
+    from ab_eager_fork import paired_samples, summarize
+    from attention_checks import make_inputs, rel
+    from profile_block import ATTN_CONFIGS, PAPER_P
+
+    from nsa_titan.kernels import nsa_attention
+
+    torch.manual_seed(0)
+    HQ, HKV, DK, DV = ATTN_CONFIGS[name]
+    ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
+    dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
+    mode = {"on": False}
+
+    def call():
+        for x in ins:
+            x.grad = None
+        nsa_attention(*ins, PAPER_P, dq_atomic=mode["on"])[0].backward(dout)
+
+    @contextlib.contextmanager
+    def choice(on: bool):
+        mode["on"] = on
+        yield
+
+    grads = []
+    for on in (False, True):
+        with choice(on):
+            call()
+        grads.append([x.grad.clone() for x in ins])
+    same = all(a.equal(b) for a, b in zip(grads[0][1:], grads[1][1:]))
+    dq_diff = rel(grads[1][0], grads[0][0])
+    del grads
+    base, other, reps = paired_samples(call, choice, budget_ms)
+    row = dict(config=name, T=T, B=B, variant="attention", dkdv_same_bits=same, dq_rel_diff=dq_diff,
+               reps_per_sample=reps, **summarize(base, other, ("deterministic", "atomic")))
+    print(f"{name} T={T} B={B}: NSA attention deterministic {row['deterministic_ms']:.3f} -> atomic "
+          f"{row['atomic_ms']:.3f} ms; speed-up {row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-"
+          f"{row['speedup_q3']:.3f}); other gradients same bits {same}, dQ rel. diff {dq_diff:.1e}", flush=True)
+    return row
 
 
 def _or_dash(x, fmt: str = "{}") -> str:

@@ -45,6 +45,9 @@ VARIANTS = {
                           "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
     "dense_compile_sg": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "default",
                          "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
+    # triton_compile with the compressed branch's dQ by atomics (model.deterministic_backward false, attempt 116)
+    "triton_compile_atomic": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "default",
+                              "--model.deterministic_backward", "false"],
 }
 
 

@@ -96,8 +96,8 @@ def _band_dq_atomic_check(device):
     """band_bwd's ``dq_atomic``: the dK/dV kernel adds dQ = dS K into an fp32 buffer by atomics (FlashAttention's
     order of work). Its dQ is held to the dQ pass's (the same sums in another order: within 1e-5 on the
     interpreter, the fp32 bound on a GPU) and to a float64 band, and its dK/dV must be the same bits as without it
-    (the extra MMA does not touch their accumulators). Compressed and window geometry, with and without documents,
-    keys as MMA rows or not, balanced splits, two batches (the 32-bit row arithmetic's per-batch bases), two KV
+    (the extra MMA does not touch their accumulators). Compressed geometry with and without documents, keys as MMA
+    rows or not, balanced splits, two batches (the 32-bit row arithmetic's per-batch bases), two KV
     heads of G 3. A buffer that already holds values keeps them (the kernel adds)."""
     import torch
 
@@ -106,9 +106,9 @@ def _band_dq_atomic_check(device):
     worst, naive, same = 0.0, 0.0, True
     B, T, HQ, HKV, D = 2, 100, 6, 2, 16
     doc = doc_starts([[0, 37, 70], [0, 50, 90]], T).to(device=device, dtype=torch.int32)
-    # Three of the eight combinations (the interpreter takes ~10 s for each): both orientations on compressed keys,
-    # the window with documents.
-    for kstride, koff, win, ds, keys_rows in ((4, 7, 0, None, False), (4, 7, 0, doc, True), (1, 0, 40, doc, True)):
+    # Two of the eight combinations (the interpreter takes ~9 s for each): both orientations on compressed keys, the
+    # geometry the model runs this way (the window's keys take the same kernel with WIN > 0).
+    for kstride, koff, win, ds, keys_rows in ((4, 7, 0, None, False), (4, 7, 0, doc, True)):
         gen = torch.Generator().manual_seed(5)
         S = T if kstride == 1 else (T - koff - 1) // kstride + 1
         q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
