@@ -17,7 +17,8 @@ alternating pairs (ab_eager_fork.paired_samples: L2 flushed, order swapped every
   (VARIANTS says why);
 - ``attention``: the whole NSA attention's eager forward+backward with the model's ``deterministic_backward`` on
   and off (``nsa_attention(..., dq_atomic=)``: the buffer folded into the window's dQ pass, which waits for the
-  side stream's dK/dV); its "same bits" column covers every gradient but dQ.
+  side stream's dK/dV); its "same bits" column covers every gradient but dQ; ``attention_r32`` the same with the
+  compressed dK/dV at 32 rows x 128 keys when the atomics are on (tuned.py's entry swapped in-process).
 
 It checks that dK/dV are the same bits both ways and reports dQ's relative difference. Inputs: make_inputs' random
 tensors with each branch's LSE from band_fwd. Writes ab_band_dq_atomic<tag>_<device>.json and .md.
@@ -118,13 +119,36 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
     calls.clear()  # the band inputs go before the whole attention allocates its own
     out.clear()
     torch.cuda.empty_cache()
-    rows.append(measure_attention(name, T, B, budget_ms))
+    for variant, shape in (("attention", None), ("attention_r32", R32)):
+        rows.append(measure_attention(name, T, B, budget_ms, variant, shape))
     return rows
 
 
-def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0) -> dict:
+@contextlib.contextmanager
+def compressed_dkdv_shape(G: int, dmax: int, shape: dict | None):
+    """tuned.py's compressed dK/dV entry for this shape replaced by ``shape`` (merged into it) while inside; None
+    leaves it. The model reads that entry for its compressed dK/dV, with or without the atomic dQ."""
+    from nsa_titan.kernels.combine import pow2
+    from nsa_titan.kernels.tuned import TUNED
+
+    key = ("band_dkdv", pow2(G), dmax, False)
+    before = TUNED.get(key)
+    if shape is not None:
+        TUNED[key] = {**(before or {}), **shape}
+    try:
+        yield
+    finally:
+        if before is None:
+            TUNED.pop(key, None)
+        else:
+            TUNED[key] = before
+
+
+def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0, variant: str = "attention",
+                      shape: dict | None = None) -> dict:
     """The whole NSA attention, eager forward+backward, with the model's deterministic_backward on and off (ops.
-    nsa_bwd: the buffer folded into the window's dQ pass, band_dq2 waiting for the side stream's dK/dV)."""
+    nsa_bwd: the buffer folded into the window's dQ pass, band_dq2 waiting for the side stream's dK/dV); ``shape``:
+    the compressed dK/dV's launch shape with the atomics (compressed_dkdv_shape), the tuned one without."""
     import torch
     from ab_eager_fork import paired_samples, summarize
     from attention_checks import make_inputs, rel
@@ -141,7 +165,8 @@ def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0) -> d
     def call():
         for x in ins:
             x.grad = None
-        nsa_attention(*ins, PAPER_P, dq_atomic=mode["on"])[0].backward(dout)
+        with compressed_dkdv_shape(HQ // HKV, max(DK, DV), shape if mode["on"] else None):
+            nsa_attention(*ins, PAPER_P, dq_atomic=mode["on"])[0].backward(dout)
 
     @contextlib.contextmanager
     def choice(on: bool):
@@ -157,9 +182,10 @@ def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0) -> d
     dq_diff = rel(grads[1][0], grads[0][0])
     del grads
     base, other, reps = paired_samples(call, choice, budget_ms)
-    row = dict(config=name, T=T, B=B, variant="attention", dkdv_same_bits=same, dq_rel_diff=dq_diff,
+    row = dict(config=name, T=T, B=B, variant=variant, dkdv_same_bits=same if shape is None else None,
+               dq_rel_diff=dq_diff,
                reps_per_sample=reps, **summarize(base, other, ("deterministic", "atomic")))
-    print(f"{name} T={T} B={B}: NSA attention deterministic {row['deterministic_ms']:.3f} -> atomic "
+    print(f"{name} T={T} B={B}: NSA {variant} deterministic {row['deterministic_ms']:.3f} -> atomic "
           f"{row['atomic_ms']:.3f} ms; speed-up {row['speedup_median']:.3f} (IQR {row['speedup_q1']:.3f}-"
           f"{row['speedup_q3']:.3f}); other gradients same bits {same}, dQ rel. diff {dq_diff:.1e}", flush=True)
     return row
