@@ -216,10 +216,9 @@ def test_compress_pair_is_both_compressors(kind, dv, t):
     assert outs[0][0].shape == (2, max(0, (t - 8) // 4 + 1), 3, 16)
 
 
-@pytest.mark.parametrize("impl,gib", [("triton", 0.25), ("triton", 2.0), ("torch", 0.25)])
-def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib):
-    """model.dq_buffer_gib is handed to the Triton attention as bytes (its backward's budget for stored dS; the
-    kernels' own check dq_buffer follows it into the backward); the torch path takes no such argument."""
+def _kernel_arg_seen(monkeypatch, impl: str, kwarg: str, **model_args) -> list:
+    """The value of keyword ``kwarg`` that each of a tiny model's two layers hands its attention implementation
+    ``impl`` (a spy in NSA_IMPLS that runs the torch path), None where it passes none."""
     from nsa_titan.models.nsa import attention
 
     pytest.importorskip("triton")
@@ -227,11 +226,19 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
     torch_path = attention.NSA_IMPLS["torch"]
 
     def spy(*a, **kw):
-        seen.append(kw.get("dq_buffer_bytes"))
+        seen.append(kw.get(kwarg))
         return torch_path(*a, doc_start=kw.get("doc_start"))
 
     monkeypatch.setitem(attention.NSA_IMPLS, impl, spy)
-    tiny_model(attn_impl=impl, dq_buffer_gib=gib)(torch.randint(0, 256, (1, 40)))
+    tiny_model(attn_impl=impl, **model_args)(torch.randint(0, 256, (1, 40)))
+    return seen
+
+
+@pytest.mark.parametrize("impl,gib", [("triton", 0.25), ("triton", 2.0), ("torch", 0.25)])
+def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib):
+    """model.dq_buffer_gib is handed to the Triton attention as bytes (its backward's budget for stored dS; the
+    kernels' own check dq_buffer follows it into the backward); the torch path takes no such argument."""
+    seen = _kernel_arg_seen(monkeypatch, impl, "dq_buffer_bytes", dq_buffer_gib=gib)
     assert seen == ([int(gib * 2**30)] * 2 if impl == "triton" else [None, None])
 
 
@@ -239,18 +246,7 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
 def test_deterministic_backward_reaches_the_triton_attention_only(monkeypatch, impl, deterministic):
     """model.deterministic_backward is handed to the Triton attention as dq_atomic (its opposite; the kernels' own
     check dq_atomic follows it into the backward); the torch path, deterministic anyway, takes no such argument."""
-    from nsa_titan.models.nsa import attention
-
-    pytest.importorskip("triton")
-    seen = []
-    torch_path = attention.NSA_IMPLS["torch"]
-
-    def spy(*a, **kw):
-        seen.append(kw.get("dq_atomic"))
-        return torch_path(*a, doc_start=kw.get("doc_start"))
-
-    monkeypatch.setitem(attention.NSA_IMPLS, impl, spy)
-    tiny_model(attn_impl=impl, deterministic_backward=deterministic)(torch.randint(0, 256, (1, 40)))
+    seen = _kernel_arg_seen(monkeypatch, impl, "dq_atomic", deterministic_backward=deterministic)
     assert seen == ([not deterministic] * 2 if impl == "triton" else [None, None])
 
 
