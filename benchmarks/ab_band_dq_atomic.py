@@ -46,6 +46,18 @@ VARIANTS = {"atomic": (True, None), "atomic_nofold": (False, None), "atomic_r128
             "atomic_r32": (True, R32)}
 
 
+def switch() -> tuple[dict, object]:
+    """-> (mode, choice): ``choice(on)`` (paired_samples' context manager) sets ``mode["on"]`` for a call to read."""
+    mode = {"on": False}
+
+    @contextlib.contextmanager
+    def choice(on: bool):
+        mode["on"] = on
+        yield
+
+    return mode, choice
+
+
 def band_backward_calls(name: str, T: int, B: int) -> tuple[dict, dict]:
     """-> (calls, outputs): ``calls[variant]()`` runs the compressed and window branches' backward of ``name``'s
     shape one way ("deterministic" or one of VARIANTS), writing into ``outputs`` (dq, dk, dv)."""
@@ -98,12 +110,7 @@ def measure(name: str, T: int, B: int, budget_ms: float = 4000.0) -> list[dict]:
         calls[variant]()  # dK/dV of the tuned shape: the same bits as the deterministic call's
         same_dkdv = torch.equal(want["dk"], out["dk"]) and torch.equal(want["dv"], out["dv"]) if cfg is None else None
         dq_diff = rel(out["dq"], want["dq"]) if fold else None
-        mode = {"on": False}
-
-        @contextlib.contextmanager
-        def choice(on: bool, mode=mode):
-            mode["on"] = on
-            yield
+        mode, choice = switch()
 
         def call(variant=variant, mode=mode):
             calls[variant if mode["on"] else "deterministic"]()
@@ -160,18 +167,13 @@ def measure_attention(name: str, T: int, B: int, budget_ms: float = 4000.0, vari
     HQ, HKV, DK, DV = ATTN_CONFIGS[name]
     ins = [x.requires_grad_(True) for x in make_inputs(B, T, HQ, HKV, DK, DV, PAPER_P)]
     dout = torch.randn(B, T, HQ, DV, device="cuda", dtype=torch.bfloat16)
-    mode = {"on": False}
+    mode, choice = switch()
 
     def call():
         for x in ins:
             x.grad = None
         with compressed_dkdv_shape(HQ // HKV, max(DK, DV), shape if mode["on"] else None):
             nsa_attention(*ins, PAPER_P, dq_atomic=mode["on"])[0].backward(dout)
-
-    @contextlib.contextmanager
-    def choice(on: bool):
-        mode["on"] = on
-        yield
 
     grads = []
     for on in (False, True):

@@ -111,12 +111,18 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
 
 
 @triton.jit
-def _add_dq_atomic(DQA, dq, b, t, h, row_ok, T, HKV, G: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
-    """dq [ROWS, DKP] (fp32) added into DQA [B, T, HQ, DK] fp32 by relaxed atomics (rows past the valid ones and
-    the padded columns masked)."""
-    dk = tl.arange(0, DKP)
+def dq_tile(b, t, h, row_ok, dk, T, HKV, G: tl.constexpr, DK: tl.constexpr):
+    """-> (offsets, mask) of a [ROWS, DKP] tile of packed rows (token t, query head h) in a contiguous
+    [B, T, HQ, DK] tensor (dQ, or an fp32 buffer of its shape): rows past the valid ones and padded columns masked."""
     off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK + dk[None, :]
-    tl.atomic_add(DQA + off, dq, mask=row_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
+    return off, row_ok[:, None] & (dk[None, :] < DK)
+
+
+@triton.jit
+def _add_dq_atomic(DQA, dq, b, t, h, row_ok, T, HKV, G: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
+    """dq [ROWS, DKP] (fp32) added into DQA [B, T, HQ, DK] fp32 by relaxed atomics."""
+    off, mask = dq_tile(b, t, h, row_ok, tl.arange(0, DKP), T, HKV, G, DK)
+    tl.atomic_add(DQA + off, dq, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -163,10 +169,10 @@ def _dq_rows(Q, DO, sqb, sqt, sqh, T, TQ, HKV, G: tl.constexpr, ROWS: tl.constex
 
 @triton.jit
 def _store_band_dq(DQ, dq, b, t, h, row_ok, dk, T, HKV, G: tl.constexpr, DK: tl.constexpr, ACC: tl.constexpr):
-    dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
+    off, mask = dq_tile(b, t, h, row_ok, dk, T, HKV, G, DK)
     if ACC:
-        dq += tl.load(DQ + dq_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-    tl.store(DQ + dq_off + dk[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
+        dq += tl.load(DQ + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -266,6 +272,12 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, DQA, sqb, sqt, sqh, 
     tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
              mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
+
+
+def fp32_like(buf: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``buf`` can take a branch's dQ by atomics (band_bwd's ``dq_atomic``, band_dq2's ``dq_fold``): float32,
+    q's shape, contiguous (the kernels index it as dQ is indexed)."""
+    return buf.dtype == torch.float32 and buf.shape == q.shape and buf.is_contiguous()
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -385,8 +397,7 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
     if parts not in ("all", "dq", "dkdv"):
         raise ValueError(f"band_bwd: parts={parts!r}; use 'all', 'dq' or 'dkdv'")
     B, T, HQ, DK = q.shape
-    if dq_atomic is not None and (parts != "dkdv" or dq_atomic.dtype != torch.float32
-                                  or tuple(dq_atomic.shape) != (B, T, HQ, DK) or not dq_atomic.is_contiguous()):
+    if dq_atomic is not None and (parts != "dkdv" or not fp32_like(dq_atomic, q)):
         raise ValueError(f"band_bwd: dq_atomic must be a contiguous float32 tensor of q's shape {(B, T, HQ, DK)} with "
                          f"parts='dkdv' (got {dq_atomic.dtype} {tuple(dq_atomic.shape)}, parts={parts!r}): the dK/dV "
                          "kernel adds dQ into it; run the dQ pass separately otherwise")

@@ -5,12 +5,11 @@ sets for the same query rows, so that Q and dO are loaded once and dQ is written
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, _launch, launch_cfg, many_keys_shape
-from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq
+from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq, dq_tile, fp32_like
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import used_slots
 from nsa_titan.kernels.tma import kv_specs, launch_tma
@@ -59,8 +58,8 @@ def _band_bwd_dq2(Q, K, V, K2, V2, DO, LSE, DELTA, LSE2, DELTA2, DQ, DS, sqb, sq
         dq = add_slot_partials(dq, DQP, IDX, b, kv, t, h - kv * G, row_ok, dk, T, HKV, G, NSEL, DK, SG)
     dq = dq * sm_scale
     if FOLD:
-        fold = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK + dk[None, :]
-        dq += tl.load(DQF + fold, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        off, mask = dq_tile(b, t, h, row_ok, dk, T, HKV, G, DK)
+        dq += tl.load(DQF + off, mask=mask, other=0.0)
     _store_band_dq(DQ, dq, b, t, h, row_ok, dk, T, HKV, G, DK, ACC)
 
 
@@ -81,8 +80,7 @@ def band_dq2(do, q, first: tuple, second: tuple | None, dq_acc, doc_start=None, 
     Attempt 82: the model's backward runs the window's and the compressed branch's dQ this way where
     ``dq2_enabled`` says so (a tuned.py entry), else as two band_bwd calls."""
     B, T, HQ, DK = q.shape
-    if dq_fold is not None and (dq_fold.dtype != torch.float32 or tuple(dq_fold.shape) != (B, T, HQ, DK)
-                                or not dq_fold.is_contiguous()):
+    if dq_fold is not None and not fp32_like(dq_fold, q):
         raise ValueError(f"band_dq2: dq_fold must be a contiguous float32 tensor of q's shape {(B, T, HQ, DK)}, got "
                          f"{dq_fold.dtype} {tuple(dq_fold.shape)}: pass the buffer band_bwd(dq_atomic=) added into")
     if second is None and dq_fold is None:
