@@ -1,10 +1,12 @@
 """Triton NSA kernels vs the dense reference, on CPU through the Triton interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, and another test module of this pytest process
-may already have imported it; so the kernel checks run in child processes (started once per session, env
-TRITON_INTERPRET=1; one per CPU core up to 2, sharing the cases and checks through a claim directory, slowest
-first: the interpreter is single-threaded and the checks take ~14 minutes in one process, 2026-12-07) that print a
-JSON verdict per case, and the tests below only read those verdicts.
+may already have imported it; so the kernel checks run in child processes (env TRITON_INTERPRET=1; one per CPU
+core up to 2, sharing the cases and checks through a claim directory, slowest first: the interpreter is
+single-threaded and the checks take ~14 minutes in one process, 2026-12-07) that print a JSON verdict per case, and
+the tests below only read those verdicts. tests/conftest.py starts the children right after collection, at a lower
+CPU priority, and runs the verdicts' tests last (tests/_kernel_children.py): the checks use the cores the rest of the
+suite leaves idle.
 Running this file as a script (``python tests/test_kernels.py``) is that child; on a CUDA machine
 ``python tests/test_kernels.py --cuda`` runs the same checks on the GPU, but there they are not a verdict: the
 fp32 cases' dots run in tf32 (errors ~2e-3 against the CPU tolerance of 2e-4) and the torch path's FlexAttention
@@ -18,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
+import _kernel_children
 from _kernel_checks import CASES, CHECKS, DOC_CASES, PREFIX_CASES, run_case
 
 # The slowest checks on the interpreter, slowest first (seconds on a 2-core dev machine, 2026-12-07, two claiming
@@ -41,7 +42,8 @@ SLOW_FIRST = ("sel_tma", "sel_dq_tokens", "sel_tokens", "sel_bwd_paths", "band_t
 # machine this file took 714 s (2026-12-06: children past the earlier 600 s, so two cases had no verdict) and 753 s
 # (2026-12-07, ~1384 core-s). With tests/_interp_speed.py's speed-ups 3-5 and the dQ-only checks' cheaper walks:
 # ~842 core-s on that machine the same day, ~428 s a child. A limit, not a tolerance: a hang still fails; 900 s
-# leaves room for a slower CI machine.
+# leaves room for a slower CI machine. Counted from when the verdicts are first needed (the children may have run
+# beside the other tests for minutes before).
 CHILD_TIMEOUT_S = 900
 
 
@@ -80,31 +82,8 @@ def main(device: str, shard: int = 0, shards: int = 1, claim_dir: str | None = N
 @pytest.fixture(scope="module")
 def verdicts():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    shards = max(1, min(2, os.cpu_count() or 1))
-    if shards > 1:
-        env["OMP_NUM_THREADS"] = "1"  # one core per child
-    claim_dir = tempfile.mkdtemp(prefix="kernel_checks_")  # the children share the work through it (_claim)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--claim-dir={claim_dir}"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
-             for _ in range(shards)]
-    found, errors = {}, []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            err += f"\n(killed after {CHILD_TIMEOUT_S} s: the cases it had not reached produce no verdict)"
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                found[r.pop("case")] = r
-        if proc.returncode:
-            errors.append(f"rc={proc.returncode}: {err[-2000:]}")
-    shutil.rmtree(claim_dir, ignore_errors=True)
+    _kernel_children.start()  # started at collection already (conftest.py) unless this module was run some other way
+    found, errors = _kernel_children.collect(CHILD_TIMEOUT_S)
     if not found:
         pytest.fail("kernel check processes failed:\n" + "\n".join(errors))
     return found
@@ -125,6 +104,20 @@ def test_the_children_share_every_case_once_slowest_first(tmp_path):
     assert sorted(names) == sorted(registry) and len(set(names)) == len(names)
     assert names[:len(SLOW_FIRST)] == list(SLOW_FIRST)
     assert _claim(str(tmp_path), "sel_tma") and not _claim(str(tmp_path), "sel_tma")
+
+
+def test_kernel_case_tests_run_last_in_their_order_and_nothing_else_moves():
+    """conftest.py's reordering: the verdicts' tests after every other test (their children run beside those)."""
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    ids = ["tests/test_a.py::t1", "tests/test_kernels.py::test_kernel_case[g1]", "tests/test_kernels.py::test_x",
+           "tests/test_kernels.py::test_kernel_case[doc]", "tests/test_z.py::t2"]
+    items, any_cases = _kernel_children.kernel_cases_last([Item(i) for i in ids])
+    assert any_cases and [i.nodeid for i in items] == [ids[0], ids[2], ids[4], ids[1], ids[3]]
+    rest = [Item(i) for i in (ids[0], ids[4])]
+    assert _kernel_children.kernel_cases_last(rest) == (rest, False)
 
 
 def test_pair_keys_are_int32_below_the_overflow_bound_and_int64_above():
