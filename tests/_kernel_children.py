@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 KERNEL_CASE_TEST = "test_kernels.py::test_kernel_case"
 NICE = 10
@@ -38,13 +39,11 @@ def _lower_priority() -> None:
     os.nice(NICE)
 
 
-def start() -> bool:
-    """Start the children once per process (one per CPU core, at most 2); False where triton is missing (the fixture
+def start() -> None:
+    """Start the children once per process (one per CPU core, at most 2); none where triton is missing (the fixture
     then skips)."""
-    if _RUN:
-        return True
-    if importlib.util.find_spec("triton") is None:
-        return False
+    if _RUN or importlib.util.find_spec("triton") is None:
+        return
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -63,17 +62,17 @@ def start() -> bool:
                                       cwd=root, preexec_fn=_lower_priority))
         files.append((out, err))
     _RUN.update(procs=procs, files=files, work=work)
-    return True
 
 
 def collect(timeout_s: float) -> tuple[dict, list[str]]:
-    """Wait for every child (each at most ``timeout_s`` from now: a hang still fails) -> (verdicts by case name,
-    errors of the children that failed or were killed)."""
+    """Wait for the children until ``timeout_s`` from now (one deadline for all: they run side by side; a hang still
+    fails) -> (verdicts by case name, errors of the children that failed or were killed)."""
     found, errors = {}, []
+    deadline = time.monotonic() + timeout_s
     for proc, (out, err) in zip(_RUN["procs"], _RUN["files"]):
         note = ""
         try:
-            proc.wait(timeout=timeout_s)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
