@@ -45,9 +45,6 @@ VARIANTS = {
                           "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
     "dense_compile_sg": ["--model.attn_type", "dense", "--compile.enable", "--compile.mode", "default",
                          "--compile.step_graph", "--metrics.nsa_diagnostics", "false"],
-    # triton_compile with the compressed branch's dQ by atomics (model.deterministic_backward false, attempt 116)
-    "triton_compile_atomic": ["--model.attn_impl", "triton", "--compile.enable", "--compile.mode", "default",
-                              "--model.deterministic_backward", "false"],
 }
 
 
@@ -153,11 +150,26 @@ def train_run(config: str, steps: int, name: str, extra: list[str]) -> dict:
         if proc.returncode != 0 or not summary_file.exists():
             return {"variant": name, "error": f"exit code {proc.returncode}"}
         s = json.loads(summary_file.read_text())
+        windows = log_windows(Path(dump) / "metrics.jsonl")
     return {"variant": name, **{k: s.get(k) for k in (
         "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
         "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
         "model": s.get("model"), "training": s["config"]["training"],
-        "activation_checkpoint": s["config"].get("activation_checkpoint")}
+        "activation_checkpoint": s["config"].get("activation_checkpoint"), "windows": windows}
+
+
+def log_windows(jsonl: Path) -> list[dict]:
+    """Each training log window's last step, tokens/s per GPU and loss, from the run's metrics.jsonl: whether
+    a long run's speed drifts (NSA's selected kernels read fewer bytes once a model's selections cluster)."""
+    if not jsonl.exists():
+        return []
+    rows = []
+    for line in jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("tokens_per_s_per_gpu") is not None and "window_steps" in rec:
+            rows.append({"step": rec["step"], "tokens_per_s_per_gpu": rec["tokens_per_s_per_gpu"],
+                         "loss": rec.get("loss")})
+    return rows
 
 
 def environment() -> dict[str, str | None]:

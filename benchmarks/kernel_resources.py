@@ -36,7 +36,7 @@ from nsa_titan.kernels import band, band_bwd, selected_bwd  # noqa: E402
 WARP_SIZE = 32  # threads per warp of the target (sm_90)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
-            "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32", "DQA": "*fp32"}
+            "DELTA": "*fp32", "DS": "*fp32", "DKP_": "*fp32", "DVP_": "*fp32"}
 SEL_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
                 "KEYS": "*i32", "OFF": "*i32", "COFF": "*i32", "PROG": "*i32", "ORD": "*i32", "POFF": "*i32",
                 "DK_": "*bf16", "DV_": "*bf16", "PK": "*fp32", "PV": "*fp32", "DSB": "*bf16", "DQP": "*fp32",

@@ -8,7 +8,7 @@ kernels' in _kernel_checks_band.py. They run only in that file's child process (
 from __future__ import annotations
 
 # test_kernels.py takes the cases and run_case from here with CHECKS.
-from _kernel_cases import CASES, DOC_CASES, PREFIX_CASES, TOL, rel_err, run_case  # noqa: F401
+from _kernel_cases import CASES, DOC_CASES, PREFIX_CASES, rel_err, run_case  # noqa: F401
 from _kernel_checks_backward import (
     _dout_backward_check,
     _sel_bwd_paths_check,
@@ -19,7 +19,6 @@ from _kernel_checks_band import (
     _add_splits_balanced_check,
     _band_dq2_check,
     _band_dq2_partials_check,
-    _band_dq_atomic_check,
     _band_split_check,
     _band_tma_check,
     _decode_fused_check,
@@ -126,58 +125,6 @@ def _direct_path_check(device):
             "meta": meta}
 
 
-def _dq_atomic_check(device):
-    """The model's deterministic_backward off (attempt 116) reaches the backward through both paths (the custom op
-    and the eager function): the compressed branch's dK/dV kernel adds its dQ by atomics and no dQ pass walks the
-    compressed keys. Every gradient but dQ is the same bits as the deterministic backward's; dQ agrees to fp32
-    rounding (the same sums in another order). Two shapes: head dim 32 with G 2 (no band_dq2 entry: the buffer is
-    added after the window's dQ pass) and head dim 64 with G 6 (band_dq2 walks the window and folds the buffer)."""
-    import torch
-
-    from nsa_titan.kernels import band_bwd, band_dq2, nsa_attention
-    from nsa_titan.models.nsa.common import NSAParams
-
-    calls, bwd, dq2 = [], band_bwd.band_bwd, band_dq2.band_dq2
-
-    def spy_bwd(*a, **kw):
-        calls.append(("band_bwd", a[6], kw.get("parts", "all"), kw.get("dq_atomic") is not None))  # a[6]: kstride
-        return bwd(*a, **kw)
-
-    def spy_dq2(*a, **kw):
-        calls.append(("band_dq2", a[3] is not None, kw.get("dq_fold") is not None))
-        return dq2(*a, **kw)
-
-    p6 = NSAParams(8, 4, 16, 4, 24)
-    gen = torch.Generator().manual_seed(11)
-    shapes = [(1, 40, 6, 64), (1, 9, 1, 64), (1, 9, 1, 64)] + [(1, 40, 1, 64)] * 4
-    g6 = [torch.randn(*s, generator=gen).to(device) for s in shapes] + [torch.rand(1, 40, 6, 3, generator=gen)
-                                                                         .to(device)]
-    ok, worst, seen = True, 0.0, []
-    band_bwd.band_bwd, band_dq2.band_dq2 = spy_bwd, spy_dq2
-    try:
-        # The op path on one shape and the eager function on the other (the interpreter's time: ~10 s a run).
-        for name, (p, xs), via_op in (("g2_d32", _small_inputs(device, seed=7), True), ("g6_d64", (p6, g6), False)):
-            grads = []
-            for atomic in (False, True):
-                calls.clear()
-                ins = [x.detach().requires_grad_(True) for x in xs]
-                out, _ = nsa_attention(*ins, p, causal_prefix=0, dq_atomic=atomic, via_op=via_op)
-                out.backward(torch.ones_like(out))
-                grads.append([x.grad for x in ins])
-                seen.append((name, atomic, via_op, sorted(set(calls))))
-            ok = ok and all(torch.equal(a, b) for a, b in zip(grads[0][1:], grads[1][1:]))
-            worst = max(worst, rel_err(grads[1][0], grads[0][0]))
-    finally:
-        band_bwd.band_bwd, band_dq2.band_dq2 = bwd, dq2
-    # What ran: with atomics the compressed (kstride 4) dK/dV call carries the buffer and no dQ pass walks those keys.
-    atomic_runs = [c for name, atomic, _, c in seen if atomic]
-    paths_ok = all(("band_bwd", 4, "dkdv", True) in c and ("band_bwd", 4, "dq", False) not in c
-                   and ("band_dq2", True, False) not in c for c in atomic_runs)
-    paths_ok = paths_ok and ("band_dq2", False, True) in seen[-1][3] and ("band_bwd", 1, "dq", False) in seen[1][3]
-    return {"ok": ok and paths_ok and worst < (1e-5 if device == "cpu" else TOL["float32"]), "same_bits": ok,
-            "paths": paths_ok, "dq_worst": worst}
-
-
 def _dq_buffer_check(device):
     """The model's dq_buffer_gib reaches the backward through the custom ops: with the default budget the selected
     branch's dQ comes from the stored dS (both KV heads' at once), with a budget of one KV head's dS from dS stored
@@ -218,7 +165,7 @@ def _dq_buffer_check(device):
 
 # The named checks in the order the child runs them: (verdict name, function of the device).
 CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_check),
-          ("direct_path", _direct_path_check), ("dq_buffer", _dq_buffer_check), ("dq_atomic", _dq_atomic_check),
+          ("direct_path", _direct_path_check), ("dq_buffer", _dq_buffer_check),
           ("sel_blocks", _blocks_fwd_check), ("nsa_fwd_fake", _fwd_fake_check),
           ("sel_bwd_paths", _sel_bwd_paths_check), ("sel_tma", _sel_tma_check), ("sel_tokens", _sel_tokens_check),
           ("sel_dq_ds_tma", _sel_dq_ds_tma_check), ("sel_dq_tokens", _sel_dq_tokens_check),
@@ -226,7 +173,6 @@ CHECKS = (("compile_fullgraph", _compile_check), ("no_aux_grads", _aux_grads_che
           ("select_tma", _select_tma_check), ("select_heads_on_registers", _select_heads_on_registers_check),
           ("select_slot_order", _select_slot_order_check), ("dout_backward", _dout_backward_check),
           ("pair_table", _pair_table_check), ("band_split", _band_split_check),
-          ("band_dq_atomic", _band_dq_atomic_check),
           ("add_splits_balanced", _add_splits_balanced_check), ("band_tma", _band_tma_check),
           ("band_dq2", _band_dq2_check), ("band_dq2_partials", _band_dq2_partials_check),
           ("decode_fused", _decode_fused_check), ("pair_sort", _pair_sort_check))

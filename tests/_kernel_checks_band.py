@@ -92,43 +92,6 @@ def _band_split_check(device):
 
 
 
-def _band_dq_atomic_check(device):
-    """band_bwd's ``dq_atomic``: the dK/dV kernel adds dQ = dS K into an fp32 buffer by atomics (FlashAttention's
-    order of work). Its dQ is held to the dQ pass's (the same sums in another order: within 1e-5 on the
-    interpreter, the fp32 bound on a GPU) and to a float64 band, and its dK/dV must be the same bits as without it
-    (the extra MMA does not touch their accumulators). Compressed geometry with and without documents, keys as MMA
-    rows or not, balanced splits, two batches (the 32-bit row arithmetic's per-batch bases), two KV
-    heads of G 3. A buffer that already holds values keeps them (the kernel adds)."""
-    import torch
-
-    from nsa_titan.kernels import band, band_bwd
-
-    worst, naive, same = 0.0, 0.0, True
-    B, T, HQ, HKV, D = 2, 100, 6, 2, 16
-    doc = doc_starts([[0, 37, 70], [0, 50, 90]], T).to(device=device, dtype=torch.int32)
-    # Two of the eight combinations (the interpreter takes ~9 s for each): both orientations on compressed keys, the
-    # geometry the model runs this way (the window's keys take the same kernel with WIN > 0).
-    for kstride, koff, win, ds, keys_rows in ((4, 7, 0, None, False), (4, 7, 0, doc, True)):
-        gen = torch.Generator().manual_seed(5)
-        S = T if kstride == 1 else (T - koff - 1) // kstride + 1
-        q, k, v, do = (torch.randn(*s, generator=gen).to(device) for s in
-                       [(B, T, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, T, HQ, D)])
-        want = _naive_band(q.cpu(), k.cpu(), v.cpu(), do.cpu(), kstride, koff, win, ds)
-        cfg = dict(rows=16, BK=16, num_warps=4, num_stages=1)
-        cfg_dkdv = dict(cfg, keys_rows=keys_rows, balanced=True)
-        o, lse = band.band_fwd(q, k, v, kstride, koff, win, cfg=cfg, doc_start=ds)
-        dq, dk, dv = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dq=cfg, cfg_dkdv=cfg_dkdv,
-                                       doc_start=ds)
-        dqa = torch.full(q.shape, 0.5, dtype=torch.float32, device=device)
-        _, dk2, dv2 = band_bwd.band_bwd(do, q, k, v, o, lse, kstride, koff, win, cfg_dkdv=cfg_dkdv, doc_start=ds,
-                                        parts="dkdv", dq_atomic=dqa)
-        same = same and torch.equal(dk, dk2) and torch.equal(dv, dv2)
-        worst = max(worst, rel_err(dqa - 0.5, dq))
-        naive = max(naive, rel_err((dqa - 0.5).cpu().double(), want[1]))
-    return {"ok": same and worst < (1e-5 if device == "cpu" else TOL["float32"]) and naive < TOL["float32"],
-            "dkdv_same_bits": same, "worst": worst, "naive": naive}
-
-
 def _add_splits_balanced_check(device):
     """combine.add_splits over band_bwd's balanced partials reads only the slots a key tile's splits write: with
     chunk 50 packed rows, G 2, l 8 / d 4 keys (tile t of 4 keys first seen by query 16 t + 7) and 38 queries, the

@@ -647,24 +647,3 @@ def test_ab_fla_refuses_bad_and_unsupported_cases_by_name_and_writes_the_paired_
                nsa_vs_fla_q3=2.01, pairs=18, reps_per_sample=1)
     md = mod.to_markdown(dict(device="GPU X", torch="2.11", triton="3.6", date="d", cases=[row]))
     assert "| paper 65536 B=1 | 108.20 | 216.00 | 1.994x (1.981-2.010) | 18 x 1 |" in md
-
-
-def test_ab_band_dq_atomic_swaps_the_compressed_dkdv_shape_only_inside_and_restores_it():
-    """ab_band_dq_atomic.compressed_dkdv_shape (the probe's whole-attention row with another launch shape for the
-    atomic dK/dV): tuned.py's entry is the merged shape inside, and the same entry after, also when the body raises;
-    a key without an entry gets none back."""
-    from nsa_titan.kernels.tuned import TUNED
-
-    mod = _load_benchmark("ab_band_dq_atomic")
-    key = ("band_dkdv", 16, 128, False)
-    before = dict(TUNED[key])
-    with pytest.raises(RuntimeError):
-        with mod.compressed_dkdv_shape(16, 128, mod.R32):
-            assert (TUNED[key]["rows"], TUNED[key]["BK"]) == (32, 128) and TUNED[key]["balanced"]
-            raise RuntimeError("a failed sample")
-    assert TUNED[key] == before
-    missing = ("band_dkdv", 4, 32, False)
-    assert missing not in TUNED
-    with mod.compressed_dkdv_shape(4, 32, mod.R32):
-        assert TUNED[missing]["rows"] == 32
-    assert missing not in TUNED

@@ -371,12 +371,3 @@ def test_fsdp_unshard_early_is_for_fsdp2():
     for dp in ("fsdp1", "ddp"):
         msg = _error(["--parallelism.data_parallel", dp, "--parallelism.fsdp_unshard_early"])
         assert "parallelism.fsdp_unshard_early" in msg and "use fsdp2" in msg
-
-
-def test_a_nondeterministic_attention_backward_is_refused_under_training_deterministic():
-    """model.deterministic_backward false (the compressed branch's dQ by atomics) contradicts
-    training.deterministic (the same gradients every run): the error names both flags; either alone loads."""
-    msg = _error(["--training.deterministic", "--model.deterministic_backward", "false"])
-    assert "--training.deterministic" in msg and "--model.deterministic_backward false" in msg
-    assert load_job_config(["--model.deterministic_backward", "false"]).model_args().deterministic_backward is False
-    assert load_job_config(["--training.deterministic"]).model_args().deterministic_backward is True

@@ -242,14 +242,6 @@ def test_dq_buffer_gib_reaches_the_triton_attention_only(monkeypatch, impl, gib)
     assert seen == ([int(gib * 2**30)] * 2 if impl == "triton" else [None, None])
 
 
-@pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", False)])
-def test_deterministic_backward_reaches_the_triton_attention_only(monkeypatch, impl, deterministic):
-    """model.deterministic_backward is handed to the Triton attention as dq_atomic (its opposite; the kernels' own
-    check dq_atomic follows it into the backward); the torch path, deterministic anyway, takes no such argument."""
-    seen = _kernel_arg_seen(monkeypatch, impl, "dq_atomic", deterministic_backward=deterministic)
-    assert seen == ([not deterministic] * 2 if impl == "triton" else [None, None])
-
-
 @pytest.mark.parametrize("nkv,ng", [(768, 36), (40, 12), (48, 48)])
 def test_kv_and_gate_logits_as_one_matmul_give_the_two_projections(monkeypatch, nkv, ng):
     """attention.kv_and_gate_logits (attempt 94): with multiple 8 one matmul over the stacked K/V and gate weights

@@ -241,11 +241,6 @@ class JobConfig:
         if self.compile.step_graph:
             self._check_step_graph()
         model_args = self.model_args(training=training)
-        if self.training.deterministic and not model_args.deterministic_backward:
-            raise ConfigError("training.deterministic asks for the same gradients every run, and "
-                              "model.deterministic_backward false adds the compressed branch's dQ by atomics (their "
-                              "order varies): drop one of --training.deterministic or "
-                              "--model.deterministic_backward false")
         gap = self.data.retrieval_min_gap
         uses_retrieval = self.data.dataset == "retrieval" or self.data.retrieval_mix > 0
         if uses_retrieval and gap is not None and gap < model_args.window:

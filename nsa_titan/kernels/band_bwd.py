@@ -59,14 +59,12 @@ def _dq_tile(q, do, lse, delta, kb, vb, sks, svs, i0, i_end, t, ds, bkv, dq, qk_
 
 @triton.jit
 def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos, kmask,
-               acc_k, acc_v, qk_scale, DQA, sm_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
+               acc_k, acc_v, qk_scale, G: tl.constexpr, KSTRIDE: tl.constexpr, WIN: tl.constexpr,
                ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-               DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, KT: tl.constexpr, DQATOM: tl.constexpr):
+               DOC: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, KT: tl.constexpr):
     """One query tile (packed rows [r0, r0 + ROWS), those < hi valid) contribution to a key tile's dK/dV. With TMA
     the rows past hi hold other tokens' Q and dO (or zeros past the end): their LSE of +inf zeroes them below. KT:
-    the scores as [keys, rows] (no transposes of register tiles before the dV and dK MMAs). DQATOM: also the tile's
-    dQ = dS K, added into the fp32 DQA ([B, T, HQ, DK] from batch b's base, as Q) by atomics: a fifth MMA here
-    instead of a dQ pass that recomputes S and dP, in an order that varies from run to run (not deterministic)."""
+    the scores as [keys, rows] (no transposes of register tiles before the dV and dK MMAs)."""
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
     t, h, row_ok = _rows(r0, kv, hi, G, ROWS)
     if TMA:
@@ -90,9 +88,6 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
         acc_v += tl.dot(pt.to(do.dtype), do)
         dsc_t = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         acc_k += tl.dot(dsc_t.to(q.dtype), q)
-        if DQATOM:
-            _add_dq_atomic(DQA, tl.dot(tl.trans(dsc_t.to(k.dtype)), k) * sm_scale, b, t, h, row_ok, T, HKV, G, DK,
-                           DKP)
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]
         if MASK:
@@ -105,24 +100,7 @@ def _dkdv_tile(Q, DO, LSE, DELTA, DS, k, v, b, kv, sqb, sqt, sqh, T, HKV, r0, hi
         dp = tl.dot(do, tl.trans(v))
         dsc = p * (dp - delta[:, None])
         acc_k += tl.dot(tl.trans(dsc.to(q.dtype)), q)
-        if DQATOM:
-            _add_dq_atomic(DQA, tl.dot(dsc.to(k.dtype), k) * sm_scale, b, t, h, row_ok, T, HKV, G, DK, DKP)
     return acc_k, acc_v
-
-
-@triton.jit
-def dq_tile(b, t, h, row_ok, dk, T, HKV, G: tl.constexpr, DK: tl.constexpr):
-    """-> (offsets, mask) of a [ROWS, DKP] tile of packed rows (token t, query head h) in a contiguous
-    [B, T, HQ, DK] tensor (dQ, or an fp32 buffer of its shape): rows past the valid ones and padded columns masked."""
-    off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK + dk[None, :]
-    return off, row_ok[:, None] & (dk[None, :] < DK)
-
-
-@triton.jit
-def _add_dq_atomic(DQA, dq, b, t, h, row_ok, T, HKV, G: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
-    """dq [ROWS, DKP] (fp32) added into DQA [B, T, HQ, DK] fp32 by relaxed atomics."""
-    off, mask = dq_tile(b, t, h, row_ok, tl.arange(0, DKP), T, HKV, G, DK)
-    tl.atomic_add(DQA + off, dq, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -169,10 +147,10 @@ def _dq_rows(Q, DO, sqb, sqt, sqh, T, TQ, HKV, G: tl.constexpr, ROWS: tl.constex
 
 @triton.jit
 def _store_band_dq(DQ, dq, b, t, h, row_ok, dk, T, HKV, G: tl.constexpr, DK: tl.constexpr, ACC: tl.constexpr):
-    off, mask = dq_tile(b, t, h, row_ok, dk, T, HKV, G, DK)
+    dq_off = b * (T * HKV * G * DK) + t[:, None] * (HKV * G * DK) + h[:, None] * DK
     if ACC:
-        dq += tl.load(DQ + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=mask)
+        dq += tl.load(DQ + dq_off + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(DQ + dq_off + dk[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < DK))
 
 
 @triton.jit
@@ -193,13 +171,13 @@ def _band_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS, sqb, sqt, sqh, skb, sks, skh, 
 
 
 @triton.jit
-def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, DQA, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
+def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs, svh,
                    T, TQ, S, HKV, B, qk_scale, sm_scale, NSPLIT, CHUNK, G: tl.constexpr,
                    KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, ROWS: tl.constexpr,
                    BK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    DKP: tl.constexpr, DVP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr,
                    TMA: tl.constexpr, KT: tl.constexpr, I32: tl.constexpr = False, BAL: tl.constexpr = False,
-                   TP: tl.constexpr = 1, DQATOM: tl.constexpr = False):
+                   TP: tl.constexpr = 1):
     """dK/dV of one key tile over one split of the queries that see it; partials [NSPLIT, B, S, HKV, D] (fp32, or the
     outputs themselves in their dtype when NSPLIT is 1). With
     TMA, Q and DO are [B, T * HQ, D] descriptors (one KV head: a tile's packed rows are consecutive).
@@ -209,7 +187,7 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, DQA, sqb, sqt, sqh, 
     key tile seen by more queries gets more splits, up to NSPLIT; TP: next_pow2 of the key tiles. A tile's slots past
     its split count stay unwritten (combine.add_splits skips them). Its grid puts the key tile slowest: the GPU
     starts programs in grid order, so the splits of the first (under the causal mask the longest) key tiles start
-    before the short last ones: longest first. DQATOM: the query tiles' dQ added into DQA by atomics (_dkdv_tile)."""
+    before the short last ones: longest first."""
     pid = tl.program_id(0)
     if BAL:
         nn = tl.arange(0, TP)
@@ -247,37 +225,30 @@ def _band_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DKP_, DVP_, DS, DQA, sqb, sqt, sqh, 
     m1, m2 = _unmasked_queries(lo, hi, pid_n * BK, tl.minimum(pid_n * BK + BK, S) - 1, TQ, G, KSTRIDE, KOFF, WIN,
                                ROWS, SPLIT)
     wb = b  # with I32 the tiles index from batch b's bases (wb = 0 folds the b terms away: int32 row math)
-    Qw, DOw, LSEw, DELTAw, DSw, DQAw = Q, DO, LSE, DELTA, DS, DQA
+    Qw, DOw, LSEw, DELTAw, DSw = Q, DO, LSE, DELTA, DS
     if I32 and not TMA:
         wb = 0
         Qw = Q + b * sqb
-        DQAw = DQA + b * T * (HKV * G * DK)
         DOw = DO + b * T * (HKV * G * DV)
         LSEw = LSE + b * T * (HKV * G)
         DELTAw = DELTA + b * T * (HKV * G)
         DSw = DS + b * T
     for r0 in range(lo, m1, ROWS):
         acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, DQAw, sm_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP,
-                                  DVP, DOC, True, TMA, KT, DQATOM)
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True,
+                                  TMA, KT)
     for r0 in range(m1, m2, ROWS):
         acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, DQAw, sm_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP,
-                                  DVP, DOC, False, TMA, KT, DQATOM)
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, False,
+                                  TMA, KT)
     for r0 in range(m2, hi, ROWS):
         acc_k, acc_v = _dkdv_tile(Qw, DOw, LSEw, DELTAw, DSw, k, v, wb, kv, sqb, sqt, sqh, T, HKV, r0, hi, i, pos,
-                                  kmask, acc_k, acc_v, qk_scale, DQAw, sm_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP,
-                                  DVP, DOC, True, TMA, KT, DQATOM)
+                                  kmask, acc_k, acc_v, qk_scale, G, KSTRIDE, WIN, ROWS, DK, DV, DKP, DVP, DOC, True,
+                                  TMA, KT)
     base = ((pid_s * B + b) * S + i[:, None]) * HKV + kv
     tl.store(DKP_ + base * DK + dk[None, :], (acc_k * sm_scale).to(DKP_.dtype.element_ty),
              mask=kmask[:, None] & (dk[None, :] < DK))
     tl.store(DVP_ + base * DV + dv[None, :], acc_v.to(DVP_.dtype.element_ty), mask=kmask[:, None] & (dv[None, :] < DV))
-
-
-def fp32_like(buf: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether ``buf`` can take a branch's dQ by atomics (band_bwd's ``dq_atomic``, band_dq2's ``dq_fold``): float32,
-    q's shape, contiguous (the kernels index it as dQ is indexed)."""
-    return buf.dtype == torch.float32 and buf.shape == q.shape and buf.is_contiguous()
 
 
 def _rows_specs(q: torch.Tensor, do: torch.Tensor, rows: int, hkv: int) -> dict:
@@ -382,25 +353,17 @@ def _dkdv_launch(G: int, dmax: int, window: int, q: torch.Tensor, cfg: dict | No
 
 def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: dict | None = None,
              cfg_dkdv: dict | None = None, delta=None, dq_acc=None, doc_start=None, n_queries: int | None = None,
-             dkv_acc: tuple | None = None, parts: str = "all", dkv_out: tuple | None = None,
-             dq_atomic: torch.Tensor | None = None):
+             dkv_acc: tuple | None = None, parts: str = "all", dkv_out: tuple | None = None):
     """-> (dq, dk, dv). ``delta`` [B,T,HQ] fp32 = rowsum(dO*O) when the caller has it (else computed here);
     ``dq_acc`` (contiguous [B,T,HQ,Dk]): add this branch's dQ into it in place and return it as dq;
     ``doc_start`` as in band_fwd; ``n_queries`` as in band_fwd (dQ rows past it are not written);
     ``dkv_acc``: (dk, dv) of at least S rows: add this call's dK/dV to their first S rows (in fp32, one rounding)
     and return them. ``parts``: "all", "dq" (dk, dv returned as None) or "dkdv" (dq None), so that the two halves
     can run on different streams; ``dkv_out``: (dk, dv) shaped like k, v to write into instead of new tensors
-    (allocated by a caller on its own stream). ``dq_atomic`` (parts "dkdv" only; fp32, contiguous, q's shape): the
-    dK/dV kernel also adds this branch's dQ into it, by atomics, as FlashAttention's backward does: no dQ pass
-    recomputes S and dP (five matmul units instead of seven), but the order of the additions, and so the last bits
-    of dQ, vary from run to run."""
+    (allocated by a caller on its own stream)."""
     if parts not in ("all", "dq", "dkdv"):
         raise ValueError(f"band_bwd: parts={parts!r}; use 'all', 'dq' or 'dkdv'")
     B, T, HQ, DK = q.shape
-    if dq_atomic is not None and (parts != "dkdv" or not fp32_like(dq_atomic, q)):
-        raise ValueError(f"band_bwd: dq_atomic must be a contiguous float32 tensor of q's shape {(B, T, HQ, DK)} with "
-                         f"parts='dkdv' (got {dq_atomic.dtype} {tuple(dq_atomic.shape)}, parts={parts!r}): the dK/dV "
-                         "kernel adds dQ into it; run the dQ pass separately otherwise")
     S, HKV, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = HQ // HKV
     tq = T if n_queries is None else n_queries
@@ -440,10 +403,9 @@ def band_bwd(do, q, k, v, o, lse, kstride: int, koff: int, window: int, cfg_dq: 
         dvp = torch.empty(nsplit, B, S, HKV, DV, device=q.device, dtype=torch.float32)
     if S > 0:
         launch_tma(_band_bwd_dkdv, (programs,),
-                    (q, k, v, do, lse, delta, dkp, dvp, ds, q if dq_atomic is None else dq_atomic, *strides, T, tq,
-                     S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5, nsplit, chunk), _rows_specs(q, do, rows, HKV), tma,
+                    (q, k, v, do, lse, delta, dkp, dvp, ds, *strides, T, tq, S, HKV, B, DK**-0.5 * LOG2E, DK**-0.5,
+                     nsplit, chunk), _rows_specs(q, do, rows, HKV), tma,
                     dict(ROWS=rows, BK=bk, **dims, KT=kt, BAL=chunk > 0, TP=pow2(triton.cdiv(S, bk)),
-                         DQATOM=dq_atomic is not None,
                          **{**kw, "I32": kw["I32"] and fits_i32(q, do[0].numel())}))
     balanced = (chunk, tq, bk, kstride, koff, G) if chunk else None  # which partial slots hold sums (add_splits)
     if dkv_acc is not None:

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from nsa_titan.kernels.band import LOG2E, _launch, launch_cfg, many_keys_shape
-from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq, dq_tile, fp32_like
+from nsa_titan.kernels.band_bwd import _dq_branch, _dq_rows, _store_band_dq
 from nsa_titan.kernels.combine import pow2
 from nsa_titan.kernels.selected_blocks import used_slots
 from nsa_titan.kernels.tma import kv_specs, launch_tma
@@ -32,39 +32,32 @@ def add_slot_partials(dq, DQP, IDX, b, kv, t, g, row_ok, dk, T, HKV, G: tl.const
 
 @triton.jit
 def _band_bwd_dq2(Q, K, V, K2, V2, DO, LSE, DELTA, LSE2, DELTA2, DQ, DS, sqb, sqt, sqh, skb, sks, skh, svb, svs,
-                  svh, skb2, sks2, skh2, svb2, svs2, svh2, T, S, S2, HKV, qk_scale, sm_scale, DQP, IDX, DQF,
-                  G: tl.constexpr,
+                  svh, skb2, sks2, skh2, svb2, svs2, svh2, T, S, S2, HKV, qk_scale, sm_scale, DQP, IDX, G: tl.constexpr,
                   KSTRIDE: tl.constexpr, KOFF: tl.constexpr, WIN: tl.constexpr, KSTRIDE2: tl.constexpr,
                   KOFF2: tl.constexpr, WIN2: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                   DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr,
                   DOC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, NSEL: tl.constexpr, SG: tl.constexpr,
-                  PSUM: tl.constexpr, TWO: tl.constexpr = True, FOLD: tl.constexpr = False):
+                  PSUM: tl.constexpr):
     """_band_bwd_dq for two branches over the same queries (the window's and the compressed branch's keys): Q and
     dO loaded once, one dQ accumulator, one read-modify-write of DQ instead of two (attempt 82). PSUM: also the
     selected branch's dQ, the sum of the per-(token, slot) partials DQP that its dK/dV walk stored (IDX: the
     walk's block_idx, -1 for unused slots), so that no separate sum kernel writes a dQ for this one to read back
-    (attempt 88). TWO off: the first branch's keys only (the second's dQ came by atomics into DQF, attempt 116);
-    FOLD: DQF's rows (fp32 [B, T, HQ, DK], already scaled) added to this dQ before the store."""
+    (attempt 88)."""
     pid_m, pid_bh, b, kv, t, h, row_ok, q, do, dk = _dq_rows(Q, DO, sqb, sqt, sqh, T, T, HKV, G, ROWS, DK, DV, DKP,
                                                              DVP)
     dq = _dq_branch(q, do, tl.zeros([ROWS, DKP], tl.float32), K, V, LSE, DELTA, DS, pid_m, pid_bh, b, kv, t, h,
                     row_ok, skb, sks, skh, svb, svs, svh, T, T, S, HKV, qk_scale, G, KSTRIDE, KOFF, WIN, ROWS, BK,
                     DK, DV, DKP, DVP, DOC, SPLIT, TMA)
-    if TWO:
-        dq = _dq_branch(q, do, dq, K2, V2, LSE2, DELTA2, DS, pid_m, pid_bh, b, kv, t, h, row_ok, skb2, sks2, skh2,
-                        svb2, svs2, svh2, T, T, S2, HKV, qk_scale, G, KSTRIDE2, KOFF2, WIN2, ROWS, BK2, DK, DV, DKP,
-                        DVP, DOC, SPLIT, TMA)
+    dq = _dq_branch(q, do, dq, K2, V2, LSE2, DELTA2, DS, pid_m, pid_bh, b, kv, t, h, row_ok, skb2, sks2, skh2, svb2,
+                    svs2, svh2, T, T, S2, HKV, qk_scale, G, KSTRIDE2, KOFF2, WIN2, ROWS, BK2, DK, DV, DKP, DVP, DOC,
+                    SPLIT, TMA)
     if PSUM:
         dq = add_slot_partials(dq, DQP, IDX, b, kv, t, h - kv * G, row_ok, dk, T, HKV, G, NSEL, DK, SG)
-    dq = dq * sm_scale
-    if FOLD:
-        off, mask = dq_tile(b, t, h, row_ok, dk, T, HKV, G, DK)
-        dq += tl.load(DQF + off, mask=mask, other=0.0)
-    _store_band_dq(DQ, dq, b, t, h, row_ok, dk, T, HKV, G, DK, ACC)
+    _store_band_dq(DQ, dq * sm_scale, b, t, h, row_ok, dk, T, HKV, G, DK, ACC)
 
 
-def band_dq2(do, q, first: tuple, second: tuple | None, dq_acc, doc_start=None, cfg: dict | None = None,
-             dq_partials: tuple | None = None, acc: bool = True, dq_fold=None):
+def band_dq2(do, q, first: tuple, second: tuple, dq_acc, doc_start=None, cfg: dict | None = None,
+             dq_partials: tuple | None = None, acc: bool = True):
     """dQ of two band branches over the same queries in one launch (_band_bwd_dq2), added into ``dq_acc``
     (contiguous [B,T,HQ,Dk]; returned), or written there with ``acc`` False (its values are not read). Each branch
     is (k, v, lse, delta, kstride, koff, window), as band_bwd takes them; the second must have keys (S > 0).
@@ -73,28 +66,17 @@ def band_dq2(do, q, first: tuple, second: tuple | None, dq_acc, doc_start=None, 
     as in band_bwd), one key tile size for both branches. The entry may name a ``many_keys`` shape (with its
     ``from_keys``) for a second branch of at least that many keys: the long compressed walk wants larger tiles.
 
-    ``second`` None with ``dq_fold`` (attempt 116): the first branch's keys only, and the fp32 ``dq_fold`` (q's shape,
-    contiguous: the second branch's dQ, added there by atomics in its dK/dV kernel, band_bwd's ``dq_atomic``) added
-    before the store, so that it costs no pass of its own.
-
     Attempt 82: the model's backward runs the window's and the compressed branch's dQ this way where
     ``dq2_enabled`` says so (a tuned.py entry), else as two band_bwd calls."""
     B, T, HQ, DK = q.shape
-    if dq_fold is not None and not fp32_like(dq_fold, q):
-        raise ValueError(f"band_dq2: dq_fold must be a contiguous float32 tensor of q's shape {(B, T, HQ, DK)}, got "
-                         f"{dq_fold.dtype} {tuple(dq_fold.shape)}: pass the buffer band_bwd(dq_atomic=) added into")
-    if second is None and dq_fold is None:
-        raise ValueError("band_dq2: no second branch and nothing to fold; run band_bwd(parts='dq') for the first alone")
-    two = second is not None
-    (k, v, lse, delta, kstride, koff, window) = first
-    (k2, v2, lse2, delta2, kstride2, koff2, window2) = second if two else first  # placeholders, never walked
-    if two and k2.shape[1] == 0:
+    (k, v, lse, delta, kstride, koff, window), (k2, v2, lse2, delta2, kstride2, koff2, window2) = first, second
+    if k2.shape[1] == 0:
         raise ValueError("band_dq2: the second branch has no keys; run band_bwd(parts='dq') for the first alone")
     HKV, DV = k.shape[2], v.shape[-1]
     G = HQ // HKV
     entry = launch_cfg("band_dq2", pow2(G), max(DK, DV), False, q.is_cuda)
     if not cfg:
-        cfg = many_keys_shape(entry, k2.shape[1] if two else 0)
+        cfg = many_keys_shape(entry, k2.shape[1])
     rows, bk, kw, tma = _launch("band_dq2", G, max(DK, DV), False, q, cfg)
     do = do.contiguous()
     ds = delta if doc_start is None else doc_start
@@ -113,9 +95,9 @@ def band_dq2(do, q, first: tuple, second: tuple | None, dq_acc, doc_start=None, 
     launch_tma(_band_bwd_dq2, (triton.cdiv(T * G, rows), B * HKV),
                (q, k, v, k2, v2, do, lse, delta, lse2, delta2, dq_acc, ds, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *k2.stride()[:3], *v2.stride()[:3], T, k.shape[1], k2.shape[1], HKV,
-                DK**-0.5 * LOG2E, DK**-0.5, dqp, idx, q if dq_fold is None else dq_fold), specs, tma,
+                DK**-0.5 * LOG2E, DK**-0.5, dqp, idx), specs, tma,
                dict(ROWS=rows, BK=bk, BK2=bk, **dims, ACC=acc, NSEL=nsel, SG=sg,
-                    PSUM=dq_partials is not None, TWO=two, FOLD=dq_fold is not None, **kw))
+                    PSUM=dq_partials is not None, **kw))
     return dq_acc
 
 

@@ -155,13 +155,13 @@ def _branches_fwd(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block,
 def nsa_fwd_impl(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                  v_win: Tensor, gates: Tensor, cmp_block: int, cmp_stride: int, slc_block: int, top_n: int,
                  window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
-                 dq_buffer_bytes: int = selected.DS_BUDGET, dq_atomic: bool = False) -> tuple[
+                 dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> out, block_idx, per branch (o, lse) for the backward (cmp, slc, win), and the selected branch's sorted
     (block, token, slot) keys when its forward is block-centric (else empty), which the backward reuses instead
     of sorting again. ``doc_start`` [B, T] int32 contiguous or None: document masking in every branch
-    (reference.py's rules). ``causal_prefix``: see selected.causal_prefix (-1: automatic). ``dq_buffer_bytes``,
-    ``dq_atomic``: only handed to the backward (selected._cfg's budget for stored dS / dQ partials; nsa_bwd's)."""
+    (reference.py's rules). ``causal_prefix``: see selected.causal_prefix (-1: automatic). ``dq_buffer_bytes``:
+    only handed to the backward (selected._cfg's budget for stored dS / dQ partials)."""
     return _branches_fwd(*map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)), gates.contiguous(),
                          cmp_block, cmp_stride, slc_block, top_n, window, doc_start, causal_prefix)
 
@@ -186,7 +186,7 @@ nsa_fwd = torch.ops.nsa_titan.nsa_fwd.default
 
 @torch.library.register_fake("nsa_titan::nsa_fwd", lib=_LIB)
 def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, top_n, window,
-      doc_start=None, causal_prefix=-1, dq_buffer_bytes=selected.DS_BUDGET, dq_atomic=False):
+      doc_start=None, causal_prefix=-1, dq_buffer_bytes=selected.DS_BUDGET):
     b, t, hq, _ = q.shape
     hkv = k_slc.shape[2]
     o = _like(q, (b, t, hq, v_slc.shape[-1]))
@@ -205,14 +205,12 @@ def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: T
                  k_win: Tensor, v_win: Tensor, gates: Tensor, block_idx: Tensor, o_cmp: Tensor, lse_cmp: Tensor,
                  o_slc: Tensor, lse_slc: Tensor, o_win: Tensor, lse_win: Tensor, pair_keys: Tensor, cmp_block: int,
                  cmp_stride: int, slc_block: int, window: int, doc_start: Tensor | None = None, causal_prefix: int = -1,
-                 dq_buffer_bytes: int = selected.DS_BUDGET, dq_atomic: bool = False) -> tuple[
+                 dq_buffer_bytes: int = selected.DS_BUDGET) -> tuple[
                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, k/v per branch, gates). The gate backward also yields each branch's delta =
     rowsum(dO_i * O_i), and the three branches add their dQ into one tensor (no rowdot passes, no dQ sums).
     ``causal_prefix``: nsa_fwd's argument (resolved the same way from the same shapes). ``dq_buffer_bytes``: the
-    most memory the selected branch's dQ may keep in stored dS / partials (selected._cfg). ``dq_atomic`` (attempt
-    116, not deterministic): the compressed branch's dK/dV kernel adds its dQ into an fp32 buffer by atomics
-    (band_bwd's ``dq_atomic``) and the dQ pass walks the window's keys only, adding the buffer as it stores."""
+    most memory the selected branch's dQ may keep in stored dS / partials (selected._cfg)."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_c, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     # No dO_i = g_i * dOut is stored: every branch backward runs on dOut with its LSE lowered by log2(g_i) and
     # delta_i = dg_i (combine.combine_bwd): the same gradients, three [B, T, HQ, Dv] tensors fewer.
@@ -227,8 +225,6 @@ def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: T
     dk_win, dv_win, dk_cmp, dv_cmp = map(torch.empty_like, (k_win, v_win, k_cmp, v_cmp))
     bands = ((k_win, v_win, lse_win, delta[2], 1, 0, window), (k_cmp, v_cmp, lse_cmp, delta[0], cmp_stride,
                                                                cmp_block - 1, 0))  # band_dq2's two branches
-    # The compressed dQ by atomics: its fp32 buffer is made (zeroed) here, before the fork, and lives past the join.
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic and k_cmp.shape[1] else None
     fork = _Side(q, eager=eager_backward_forks(q))
     with fork:
         band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], doc_start=doc_start,
@@ -238,7 +234,7 @@ def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: T
             dv_cmp.zero_()
         else:
             band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
-                          doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp), dq_atomic=dqa)
+                          doc_start=doc_start, parts="dkdv", dkv_out=(dk_cmp, dv_cmp))
     parts = None  # the selected branch's dQ partials, left for band_dq2 to add (attempt 88)
     if prefix == t:
         dq, dk_slc, dv_slc = band_bwd.band_bwd(dout, q, k_slc, v_slc, o_slc, lse_slc, 1, 0, 0, delta=delta[1],
@@ -254,17 +250,13 @@ def nsa_bwd_impl(dout: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: T
             band_bwd.band_bwd(dout, q, k_slc[:, :prefix], v_slc[:, :prefix], o_slc, lse_slc, 1, 0, 0,
                           delta=delta[1], dq_acc=dq, doc_start=doc_start, n_queries=prefix,
                           dkv_acc=(dk_slc, dv_slc))
-    if dqa is not None:  # the dQ pass reads the buffer the side stream's dK/dV adds into
-        fork.join()
     if dq2:
-        band_dq2.band_dq2(dout, q, bands[0], bands[1] if dqa is None else None, dq, doc_start=doc_start,
-                          dq_partials=parts, acc=parts is None or prefix > 0, dq_fold=dqa)
+        band_dq2.band_dq2(dout, q, *bands, dq, doc_start=doc_start, dq_partials=parts,
+                          acc=parts is None or prefix > 0)
     else:
         band_bwd.band_bwd(dout, q, k_win, v_win, o_win, lse_win, 1, 0, window, delta=delta[2], dq_acc=dq,
                           doc_start=doc_start, parts="dq")
-        if dqa is not None:
-            dq.add_(dqa)
-        elif k_cmp.shape[1]:
+        if k_cmp.shape[1]:
             band_bwd.band_bwd(dout, q, k_cmp, v_cmp, o_cmp, lse_cmp, cmp_stride, cmp_block - 1, 0, delta=delta[0],
                               dq_acc=dq, doc_start=doc_start, parts="dq")
     fork.join()
@@ -278,18 +270,18 @@ nsa_bwd = torch.ops.nsa_titan.nsa_bwd.default
 @torch.library.register_fake("nsa_titan::nsa_bwd", lib=_LIB)
 def _(dout, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc, lse_slc,
       o_win, lse_win, pair_keys, cmp_block, cmp_stride, slc_block, window, doc_start=None, causal_prefix=-1,
-      dq_buffer_bytes=selected.DS_BUDGET, dq_atomic=False):
+      dq_buffer_bytes=selected.DS_BUDGET):
     return tuple(_like(x) for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
 
 
 def _nsa_setup(ctx, inputs, output):
     (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cmp_block, cmp_stride, slc_block, _top_n, window, doc,
-     causal_prefix, dq_buffer_bytes, dq_atomic) = inputs
+     causal_prefix, dq_buffer_bytes) = inputs
     _out, block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, block_idx, o_cmp, lse_cmp, o_slc,
                           lse_slc, o_win, lse_win, keys, doc)
     ctx.args = (cmp_block, cmp_stride, slc_block, window)
-    ctx.causal_prefix, ctx.dq_buffer_bytes, ctx.dq_atomic = causal_prefix, dq_buffer_bytes, dq_atomic
+    ctx.causal_prefix, ctx.dq_buffer_bytes = causal_prefix, dq_buffer_bytes
     ctx.via_op = True  # the custom op's autograd; _Direct sets False: its backward calls nsa_bwd's function
     ctx.mark_non_differentiable(block_idx, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, keys)
     # The eight auxiliary outputs never receive gradients: without this, autograd would allocate a zero
@@ -299,11 +291,11 @@ def _nsa_setup(ctx, inputs, output):
 
 def _nsa_backward(ctx, dout, *_unused):
     if dout is None:  # the combined output was not used: nothing flows back
-        return (None,) * 17
+        return (None,) * 16
     *saved, doc_start = ctx.saved_tensors
     bwd = nsa_bwd if ctx.via_op else nsa_bwd_impl  # the op's own function: see _Direct
-    grads = bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix, ctx.dq_buffer_bytes, ctx.dq_atomic)
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    grads = bwd(dout, *saved, *ctx.args, doc_start, ctx.causal_prefix, ctx.dq_buffer_bytes)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _op_backward(ctx, *grads):
@@ -349,7 +341,7 @@ OPS = {"nsa_fwd": nsa_fwd, "nsa_bwd": nsa_bwd}
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_start=None, causal_prefix: int = -1,
-                  dq_buffer_bytes: int = selected.DS_BUDGET, via_op: bool | None = None, dq_atomic: bool = False):
+                  dq_buffer_bytes: int = selected.DS_BUDGET, via_op: bool | None = None):
     """Same contract as torch_impl.nsa_attention: (o [B,T,HQ,Dv], block_idx [B,HKV,T,n] int64, -1 unused).
 
     ``p`` is duck-typed: cmp_block (l), cmp_stride (d), slc_block (l'), slc_top_n (n), window (w).
@@ -358,8 +350,6 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_sta
     result either way; selected.causal_prefix says when it pays). Tests and A/B runs set it.
     ``dq_buffer_bytes``: the backward's budget for the selected branch's stored dS or dQ partials, above which
     dQ recomputes (the model's ``dq_buffer_gib``; default selected.DS_BUDGET, 2 GiB).
-    ``dq_atomic``: the compressed branch's dQ by fp32 atomics in its dK/dV kernel (the model's
-    ``deterministic_backward`` off; nsa_bwd): two matmul units fewer per compressed pair, dQ's last bits vary.
     ``via_op``: dispatch the custom op (True) or call its functions under a plain autograd.Function (False); None
     chooses (_through_op: the op only where something must see it). Tests set it to hold both paths alike.
     """
@@ -370,5 +360,5 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p, doc_sta
         via_op = _through_op(tensors)
     fwd = nsa_fwd if via_op else _Direct.apply
     out, block_idx, *_ = fwd(*tensors, p.cmp_block, p.cmp_stride, p.slc_block, p.slc_top_n, p.window, doc_start,
-                             causal_prefix, int(dq_buffer_bytes), bool(dq_atomic))
+                             causal_prefix, int(dq_buffer_bytes))
     return out, block_idx

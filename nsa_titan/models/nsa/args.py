@@ -73,13 +73,6 @@ class NSAModelArgs:
     it is stored for as many (batch, KV head) pairs at a time as fit (T*G*n*l'*2 bytes each), and recomputed only
     where one pair's exceeds this (H100, paper config attention fwd+bwd at 64k: 119.6 ms recomputed, 113.4 in
     chunks of one KV head; qwen7b 64k 71.6 -> 63.1). Smaller saves that memory at the backward's peak."""
-    deterministic_backward: bool = True
-    """Triton kernels only. True: every gradient is the same bits from run to run (each sum in a fixed order).
-    False: the compressed branch's dK/dV kernel also adds its dQ into an fp32 buffer by atomics, as FlashAttention's
-    backward does, so no separate pass recomputes those scores (five matmul units per compressed query-key pair
-    instead of seven; benchmarks/NOTES_kernels.md attempt 116 has the measurements); dQ's last bits then vary from
-    run to run, and each layer's backward holds the buffer, B*T*n_heads*head_dim*4 bytes (0.5 GiB for the 1b at 64k
-    tokens per step). Cannot be combined with training.deterministic."""
 
     @property
     def n_rep(self) -> int:

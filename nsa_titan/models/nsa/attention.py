@@ -161,7 +161,6 @@ class NSAAttention(nn.Module):
         self.params = NSAParams.from_args(args)
         self.impl_name = args.attn_impl
         self.dq_buffer_bytes = int(args.dq_buffer_gib * 2**30)  # the Triton backward's budget (NSAModelArgs)
-        self.dq_atomic = not args.deterministic_backward  # the Triton backward's compressed dQ by atomics
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         # One fused projection for all branches' K and V: one matmul instead of six.
         self.wkv = nn.Linear(args.dim, self.n_kv_sets * args.n_kv_heads * (args.head_dim + args.dv), bias=False)
@@ -205,8 +204,7 @@ class NSAAttention(nn.Module):
             # Models built by the trainer hold a resolved name; 'auto' (e.g. generate) resolves here. The device
             # type is static, so under torch.compile this runs once, at trace time.
             name = resolve_attn_impl(self.impl_name, q.device)
-            kernel_args = ({"dq_buffer_bytes": self.dq_buffer_bytes, "dq_atomic": self.dq_atomic}
-                           if name == "triton" else {})
+            kernel_args = {"dq_buffer_bytes": self.dq_buffer_bytes} if name == "triton" else {}
             out, blocks = NSA_IMPLS[name](q, *cmp, *slc, *win, gates, self.params, doc_start=doc_start, **kernel_args)
             if cache is not None:
                 cache.fill(raw, slc, win, cmp)
