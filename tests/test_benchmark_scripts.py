@@ -210,6 +210,21 @@ def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypa
     assert "| dense_compile_cg | failed: exit code 2 | | | | | |" in md and md.rstrip().endswith("a note")
 
 
+def test_bench_train_rows_keep_each_training_log_window_and_skip_validation_records(tmp_path):
+    """bench_train.log_windows: every training log window's step, tokens/s per GPU and loss from the trainer's
+    metrics.jsonl, in order; validation records (no throughput) are left out, and a run without the file gives []."""
+    mod = _load_benchmark("bench_train")
+    records = [dict(step=1, window_steps=1, tokens_per_s_per_gpu=900.0, loss=5.9),
+               dict(step=5, window_steps=4, tokens_per_s_per_gpu=3.5e5, loss=3.1),
+               dict(type="val", step=5, loss=3.0, perplexity=20.1),
+               dict(step=10, window_steps=5, tokens_per_s_per_gpu=3.4e5, loss=2.8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert mod.log_windows(tmp_path / "metrics.jsonl") == [
+        dict(step=1, tokens_per_s_per_gpu=900.0, loss=5.9), dict(step=5, tokens_per_s_per_gpu=3.5e5, loss=3.1),
+        dict(step=10, tokens_per_s_per_gpu=3.4e5, loss=2.8)]
+    assert mod.log_windows(tmp_path / "missing.jsonl") == []
+
+
 def test_bench_train_rounds_alternate_the_order_and_name_each_row_s_round(tmp_path, monkeypatch):
     """bench_train.py --rounds R runs the variant list R times, every other round reversed (a drift during the
     command moves every variant alike), and its rows and markdown name their round; --rounds 0 is refused."""
