@@ -150,7 +150,7 @@ def train_run(config: str, steps: int, name: str, extra: list[str]) -> dict:
         if proc.returncode != 0 or not summary_file.exists():
             return {"variant": name, "error": f"exit code {proc.returncode}"}
         s = json.loads(summary_file.read_text())
-        windows = log_windows(Path(dump) / "metrics.jsonl")
+        windows = log_windows(Path(dump))
     return {"variant": name, **{k: s.get(k) for k in (
         "tokens_per_s", "tokens_per_s_per_gpu", "last_window_tokens_per_s_per_gpu", "mfu", "gpu_busy",
         "peak_mem_gib", "initial_loss", "final_loss", "steps", "device", "torch", "triton", "date")},
@@ -158,18 +158,17 @@ def train_run(config: str, steps: int, name: str, extra: list[str]) -> dict:
         "activation_checkpoint": s["config"].get("activation_checkpoint"), "windows": windows}
 
 
-def log_windows(jsonl: Path) -> list[dict]:
-    """Each training log window's last step, tokens/s per GPU and loss, from the run's metrics.jsonl: whether
-    a long run's speed drifts (NSA's selected kernels read fewer bytes once a model's selections cluster)."""
-    if not jsonl.exists():
+def log_windows(dump: Path) -> list[dict]:
+    """Each training log window's last step, tokens/s per GPU and loss, from the run's metrics.jsonl (read as
+    nsa_titan.plot reads it): whether a long run's speed drifts, e.g. as a model's selections cluster."""
+    from nsa_titan.plot import read_curves
+
+    try:
+        train = read_curves(dump)["train"]
+    except FileNotFoundError:
         return []
-    rows = []
-    for line in jsonl.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("tokens_per_s_per_gpu") is not None and "window_steps" in rec:
-            rows.append({"step": rec["step"], "tokens_per_s_per_gpu": rec["tokens_per_s_per_gpu"],
-                         "loss": rec.get("loss")})
-    return rows
+    return [{"step": step, "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "loss": r.get("loss")}
+            for step, r in sorted(train.items()) if r.get("tokens_per_s_per_gpu") is not None]
 
 
 def environment() -> dict[str, str | None]:

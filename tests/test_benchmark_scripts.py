@@ -212,17 +212,18 @@ def test_bench_train_from_json_rewrites_the_markdown_of_a_run(tmp_path, monkeypa
 
 def test_bench_train_rows_keep_each_training_log_window_and_skip_validation_records(tmp_path):
     """bench_train.log_windows: every training log window's step, tokens/s per GPU and loss from the trainer's
-    metrics.jsonl, in order; validation records (no throughput) are left out, and a run without the file gives []."""
+    metrics.jsonl in a run's dump folder, in step order; validation records (no throughput) are left out, and a
+    folder without the file gives []."""
     mod = _load_benchmark("bench_train")
-    records = [dict(step=1, window_steps=1, tokens_per_s_per_gpu=900.0, loss=5.9),
-               dict(step=5, window_steps=4, tokens_per_s_per_gpu=3.5e5, loss=3.1),
+    records = [dict(type="train", step=5, window_steps=4, tokens_per_s_per_gpu=3.5e5, loss=3.1),
+               dict(type="train", step=1, window_steps=1, tokens_per_s_per_gpu=900.0, loss=5.9),
                dict(type="val", step=5, loss=3.0, perplexity=20.1),
-               dict(step=10, window_steps=5, tokens_per_s_per_gpu=3.4e5, loss=2.8)]
+               dict(type="train", step=10, window_steps=5, tokens_per_s_per_gpu=3.4e5, loss=2.8)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert mod.log_windows(tmp_path / "metrics.jsonl") == [
+    assert mod.log_windows(tmp_path) == [
         dict(step=1, tokens_per_s_per_gpu=900.0, loss=5.9), dict(step=5, tokens_per_s_per_gpu=3.5e5, loss=3.1),
         dict(step=10, tokens_per_s_per_gpu=3.4e5, loss=2.8)]
-    assert mod.log_windows(tmp_path / "missing.jsonl") == []
+    assert mod.log_windows(tmp_path / "elsewhere") == []
 
 
 def test_bench_train_rounds_alternate_the_order_and_name_each_row_s_round(tmp_path, monkeypatch):
