@@ -1,4 +1,4 @@
-"""Shared helpers of tests/test_checkpoint.py and tests/test_failures.py: tiny CPU runs of nsa_titan.train."""
+"""Shared helpers of the tests that train tiny CPU runs of nsa_titan.train (checkpoints, failures, data, tokenizers)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from nsa_titan.fault import TrainHooks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_fault_worker.py"
@@ -30,6 +32,17 @@ def args(dump: Path, *extra: str, steps: int = STEPS) -> list[str]:
 
 def ckpt_args(dump: Path, *extra: str, steps: int = STEPS, interval: int = 5) -> list[str]:
     return args(dump, "--checkpoint.enable", "--checkpoint.interval", str(interval), *extra, steps=steps)
+
+
+class StopAt(TrainHooks):
+    """Interrupt the run (as Ctrl-C would) at the start of ``step``: the schedule still plans all its steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_start(self, step):
+        if step == self.step:
+            raise KeyboardInterrupt
 
 
 def run(argv: list[str], hooks=None) -> tuple[dict, str]:

@@ -10,20 +10,14 @@ import sys
 import pytest
 import torch
 
-from _ckpt_util import STEPS, args, ckpt_args, explain, losses, run, run_ranks, run_worker
+from _ckpt_util import STEPS, StopAt, args, ckpt_args, explain, losses, run, run_ranks, run_worker
 from _fault_worker import full_state
 from nsa_titan.checkpoint import inspect_checkpoint, list_checkpoints, step_dir_name
 from nsa_titan.checkpoint.state import reshard_loader_state
 from nsa_titan.config import ConfigError
 from nsa_titan.fault import TrainHooks
 
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +28,6 @@ def straight(tmp_path_factory):
         torch.set_num_threads(1)
         run(args(dump))
     return losses(dump)
-
-
-class StopAt(TrainHooks):
-    """Interrupt the run (as Ctrl-C would) at the start of ``step``: the schedule still plans STEPS steps."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_start(self, step):
-        if step == self.step:
-            raise KeyboardInterrupt
 
 
 def first_half(dump, *extra, stop=11):

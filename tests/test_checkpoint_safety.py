@@ -10,26 +10,10 @@ import shutil
 import pytest
 import torch
 
-from _ckpt_util import ckpt_args, run
+from _ckpt_util import StopAt, ckpt_args, run
 from nsa_titan.checkpoint import list_checkpoints, step_dir_name
-from nsa_titan.fault import TrainHooks
 
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
-    yield
-    torch.set_num_threads(before)
-
-
-class StopAt(TrainHooks):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_start(self, step):
-        if step == self.step:
-            raise KeyboardInterrupt
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 class CreatesFile:

@@ -32,12 +32,7 @@ TINY_CLI = [x for k, v in TINY.items() for x in (f"--model.{k}", str(v))] + ["--
 P = NSAParams(cmp_block=8, cmp_stride=4, slc_block=16, slc_top_n=3, window=24)
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: one thread is as fast, and the box is shared (see test_train.py)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 def tiny_model(seed=0, **kw):

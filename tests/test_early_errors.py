@@ -6,19 +6,12 @@ from __future__ import annotations
 import errno
 
 import pytest
-import torch
 
 from _ckpt_util import args, ckpt_args, run
 from nsa_titan.checkpoint import step_dir_name
 from nsa_titan.config import ConfigError
 
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 @pytest.fixture

@@ -26,12 +26,7 @@ TINY_CLI = [x for k, v in TINY.items() for x in (f"--model.{k}", str(v))] + \
 B, T = 2, 64
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core box (see test_train.py)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 # ---- the FLOP formula against FlopCounterMode -------------------------------------------------------------------

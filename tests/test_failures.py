@@ -21,13 +21,7 @@ from nsa_titan.errors import EXIT_PEER_FAILED, EXIT_WATCHDOG
 from nsa_titan.fault import NonFiniteError, TrainHooks
 from nsa_titan.fault.watchdog import Watchdog, heartbeat_path
 
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: 2-thread OpenMP on a loaded 2-core box is many times slower
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 class InjectNaN(TrainHooks):

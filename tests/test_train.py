@@ -13,14 +13,7 @@ TINY = ["--model.flavor", "debug", "--model.n_layers", "2", "--model.dim", "64",
         "--model.n_heads", "4", "--model.n_kv_heads", "1", "--model.head_dim", "16", "--model.max_seq_len", "256"]
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """These ops are tiny: one intra-op thread is as fast, and 2-thread OpenMP on a loaded 2-core machine
-    (tests running beside other work) was measured 30x slower per step (2.4 s vs 0.08 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py says why
 
 
 def run_args(tmp_path, *extra):
