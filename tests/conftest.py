@@ -1,5 +1,6 @@
-"""Session hooks: the kernel checks' children start right after collection and the tests that read their
-verdicts run last, so that the interpreter checks run beside the rest of the suite (tests/_kernel_children.py)."""
+"""Session hooks and the shared one_cpu_thread fixture. The hooks: the kernel checks' children start right
+after collection and the tests that read their verdicts run last, so that the interpreter checks run beside the
+rest of the suite (tests/_kernel_children.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def one_cpu_thread():
     """One intra-op thread for the duration of a test: the tiny training runs' ops are as fast on one thread, and
-    2-thread OpenMP on a loaded 2-core machine (tests running beside the kernel checks' children) was measured 30x
-    slower per step (2.4 s vs 0.08 s). Modules of such runs use it with
+    2-thread OpenMP on a loaded 2-core machine (tests running beside other work) was measured 30x slower per step
+    (2.4 s vs 0.08 s). Modules of such runs use it with
     ``pytestmark = pytest.mark.usefixtures("one_cpu_thread")``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
